@@ -1,0 +1,148 @@
+"""What a model family is: how its Hugging Face config maps to Megatron, and how its parameters map by name.
+
+Pure data and functions: no process groups, no Megatron import. The trainer turns `megatron_config_kwargs`
+into a `TransformerConfig`; the weight path uses the `ParamRule` table to move tensors between layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any
+
+from megatron_rl.models import transforms
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed or does not fit the model it is loaded into."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArch:
+    """The shape facts of one model, read from its Hugging Face `config.json`."""
+
+    family: str
+    """Name of the model family (`qwen3_moe`, `mixtral`, `deepseek_v3`, `qwen3`)."""
+    num_layers: int
+    """Number of transformer layers."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_heads: int
+    """Number of attention (query) heads."""
+    num_kv_heads: int
+    """Number of key/value heads (query groups)."""
+    head_dim: int
+    """Width of one attention head."""
+    vocab_size: int
+    """Size of the (unpadded) vocabulary."""
+    ffn_hidden_size: int
+    """Intermediate size of a dense MLP."""
+    num_experts: int = 0
+    """Number of routed experts; 0 for a dense model."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate size of one routed expert."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the layers whose MLP is a mixture of experts."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert(s), 0 when there is none."""
+    tie_word_embeddings: bool = False
+    """Whether the output layer reuses the input embedding."""
+    qkv_bias: bool = False
+    """Whether q/k/v projections carry biases."""
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Family-specific facts (for example MLA ranks), as sorted key/value pairs."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Return a family-specific fact stored in `extra`."""
+        return dict(self.extra).get(key, default)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based, global) has a routed-expert MLP."""
+        return layer in self.moe_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRule:
+    """How one Megatron parameter (canonical name, global indices) maps to Hugging Face tensors.
+
+    `transform` names a function pair in `transforms.TRANSFORMS`: it turns the HF tensors into the full
+    (unsharded) Megatron tensor and back. `tp_dim` is the dimension split across tensor parallel ranks (expert
+    tensor parallel for expert weights), None when replicated; `tp_chunks` > 1 says the full tensor is that many
+    equal blocks along `tp_dim` and each block is split separately (gate/up fusion).
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    transform: str = "copy"
+    tp_dim: int | None = None
+    tp_chunks: int = 1
+    is_expert: bool = False
+    layer: int | None = None
+    expert: int | None = None
+
+    def to_mcore(self, hf_tensors: list, arch: ModelArch):
+        """Build the full Megatron tensor from the HF tensors named in `hf` (in that order)."""
+        return transforms.TRANSFORMS[self.transform][0](hf_tensors, arch)
+
+    def to_hf(self, tensor, arch: ModelArch) -> list:
+        """Split a full Megatron tensor into the HF tensors named in `hf` (in that order)."""
+        return transforms.TRANSFORMS[self.transform][1](tensor, arch)
+
+
+class ModelFamily(ABC):
+    """One model family: recognition, config translation and the parameter map."""
+
+    name: str = ""
+    hf_architectures: tuple[str, ...] = ()
+    hf_model_types: tuple[str, ...] = ()
+
+    @abstractmethod
+    def arch_from_hf(self, hf_config: dict) -> ModelArch:
+        """Read the model's shape from a Hugging Face `config.json` dictionary."""
+
+    @abstractmethod
+    def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:
+        """Keyword arguments for Megatron's TransformerConfig (strings stand in for callables)."""
+
+    @abstractmethod
+    def param_rules(self, arch: ModelArch) -> list[ParamRule]:
+        """Every Megatron parameter of the whole model with its HF names and transform."""
+
+    @abstractmethod
+    def tiny_hf_config(self, vocab_size: int) -> dict:
+        """A small `config.json` of this family for tests and demos."""
+
+    def uses_mla(self) -> bool:
+        """Whether attention is multi-latent (MLATransformerConfig)."""
+        return False
+
+    def rule_table(self, arch: ModelArch) -> dict[str, ParamRule]:
+        """The parameter rules keyed by canonical Megatron name; checks that no HF name is used twice."""
+        table: dict[str, ParamRule] = {}
+        seen_hf: dict[str, str] = {}
+        for rule in self.param_rules(arch):
+            if rule.mcore in table:
+                raise AssertionError(f"{self.name}: Megatron name {rule.mcore} mapped twice")
+            for hf_name in rule.hf:
+                if hf_name in seen_hf:
+                    raise AssertionError(f"{self.name}: HF name {hf_name} used by {seen_hf[hf_name]} and {rule.mcore}")
+                seen_hf[hf_name] = rule.mcore
+            table[rule.mcore] = rule
+        return table
+
+
+def rope_theta(hf_config: dict, default: float = 10000.0) -> float:
+    """Rotary base from either the transformers 4 (`rope_theta`) or 5 (`rope_parameters`) spelling."""
+    params = hf_config.get("rope_parameters") or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(hf_config.get("rope_theta", default))
+
+
+def require(hf_config: dict, key: str | tuple[str, ...], where: str) -> Any:
+    """Fetch a required key of a HF config (the first present of several spellings), or raise a CheckpointError."""
+    keys = (key,) if isinstance(key, str) else key
+    for k in keys:
+        if hf_config.get(k) is not None:
+            return hf_config[k]
+    raise CheckpointError(f"{where}: config.json has no '{' or '.join(keys)}'")

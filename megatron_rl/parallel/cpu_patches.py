@@ -1,0 +1,248 @@
+"""Every patch this project makes to third-party internals so that Megatron-Core runs on CPU with gloo.
+
+Applied by one call, `apply_cpu_patches()`, only when CUDA is unavailable; idempotent. Each patch names the
+failure it fixes and the versions it was checked on (megatron-core 0.16.1, torch 2.13.0+cpu). On a GPU machine
+nothing here runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+
+_APPLIED: list[str] = []
+
+
+def applied_patches() -> list[str]:
+    """Names of the patches applied in this process (empty on GPU)."""
+    return list(_APPLIED)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event on CPU: work is synchronous, so waiting is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+def _patch_torch_cuda_shims() -> None:
+    """Failure: Megatron calls `torch.cuda.current_device()` as a device, `torch.cuda.synchronize()` in the p2p
+    pipeline code, and `torch.cuda.Stream()/stream()/current_stream()` in the MoE alltoall dispatcher; all raise
+    "Torch not compiled with CUDA enabled". On a CPU-only process these become the CPU device and no-ops."""
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullStream
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _patch_rng_tracker() -> None:
+    """Failure: `model_parallel_cuda_manual_seed` -> `CudaRNGStatesTracker.add` calls `torch.cuda.get_rng_state()`
+    and `_set_cuda_rng_state` touches CUDA generators. On CPU the tracker forks the CPU generator instead, which
+    keeps Megatron's per-TP-rank initialisation streams distinct."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """`torch` as seen by one module, with `device="cuda"` in tensor factories turned into the CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "randn", "rand", "randint", "eye", "as_tensor")
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+
+            @functools.wraps(attr)
+            def factory(*args, **kwargs):
+                if str(kwargs.get("device", "")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return attr(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+# Modules that create tensors with a literal device="cuda" on the paths this project runs.
+_LITERAL_CUDA_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",  # token count zeros in every forward-backward function
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.transformer.utils",  # get_default_causal_mask
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+
+def _patch_literal_cuda_devices() -> None:
+    """Failure: these modules create tensors with a literal `device="cuda"` (the token count in
+    `schedules.py`, the causal mask in `transformer/utils.py`, the grad-norm buffers in `clip_grads.py`, ...):
+    "Torch not compiled with CUDA enabled". Each module's `torch` name is replaced by a proxy that maps
+    `device="cuda"` in tensor factories to the CPU."""
+    import importlib
+
+    proxy = _CpuTorchProxy()
+    for name in _LITERAL_CUDA_MODULES:
+        importlib.import_module(name).torch = proxy
+
+
+def _patch_param_type_names() -> None:
+    """Failure: DistributedOptimizer checks `param.type()` against 'torch.cuda.FloatTensor' (and Half/BFloat16)
+    and raises "Wrapped parameters must be one of torch.cuda.FloatTensor ..." for CPU parameters. While its
+    builders run, `Tensor.type()` without arguments reports CPU tensors under their CUDA names."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original_type = torch.Tensor.type
+
+    def cuda_named_type(self, *args, **kwargs):
+        result = original_type(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(result, str) and result.startswith("torch.") and ".cuda." not in result:
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+    def with_cuda_names(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            torch.Tensor.type = cuda_named_type
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.Tensor.type = original_type
+
+        return wrapper
+
+    for name in ("_build_model_and_main_param_groups", "__init__"):
+        attr = cls.__dict__.get(name)
+        if isinstance(attr, staticmethod):
+            setattr(cls, name, staticmethod(with_cuda_names(attr.__func__)))
+        elif attr is not None:
+            setattr(cls, name, with_cuda_names(attr))
+
+
+def _patch_torch_norm_sequence_parallel() -> None:
+    """Failure: the torch-norm fallback (`WrappedTorchNorm`, used without Transformer Engine) asserts
+    `not config.sequence_parallel`, but MoE with TP > 1 requires sequence parallelism. The norm itself is
+    position-wise, so it is correct on a sequence shard; its weights are marked `sequence_parallel` so that
+    Megatron all-reduces their gradients across the tensor parallel group, as it does for TE norms."""
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _patch_all_to_all_split_lists() -> None:
+    """Failure: the MoE alltoall dispatcher passes its split sizes as CPU tensors; gloo's `all_to_all_single`
+    accepts only lists of ints ("split sizes must be a list"). The sizes are converted before the call."""
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._AllToAll.forward
+
+    def as_list(sizes):
+        return sizes.tolist() if hasattr(sizes, "tolist") else sizes
+
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+        return original(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes))
+
+    mappings._AllToAll.forward = staticmethod(forward)
+
+
+def _patch_moe_utils_te_names() -> None:
+    """Failure (megatron-core 0.16.1; fixed later): without Transformer Engine, `moe_utils` never defines
+    `te_general_gemm` and the other fused TE names, but `RouterGatingLinearFunction` tests
+    `te_general_gemm is not None` -> NameError in every MoE router forward. Define the missing names as None,
+    which selects Megatron's own torch fallbacks."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in (
+        "te_general_gemm",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
+        "fused_unpermute",
+    ):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+_PATCHES = (
+    _patch_torch_cuda_shims,
+    _patch_rng_tracker,
+    _patch_literal_cuda_devices,
+    _patch_param_type_names,
+    _patch_torch_norm_sequence_parallel,
+    _patch_all_to_all_split_lists,
+    _patch_moe_utils_te_names,
+)
+
+
+def apply_cpu_patches() -> list[str]:
+    """Apply every CPU patch once, only when CUDA is unavailable; return the names applied."""
+    if torch.cuda.is_available() or _APPLIED:
+        return applied_patches()
+    for patch in _PATCHES:
+        patch()
+        _APPLIED.append(patch.__name__.removeprefix("_patch_"))
+    return applied_patches()

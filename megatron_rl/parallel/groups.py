@@ -1,0 +1,104 @@
+"""Process groups for one trainer process under torchrun: gloo on CPU, NCCL on GPU, Megatron's model parallel.
+
+Megatron keeps its groups in module-level state; this module is the one place that reads it, and hands the rest
+of the code an explicit `ParallelContext`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.cpu_patches import apply_cpu_patches
+from megatron_rl.parallel.layout import ParallelLayout, check_layout
+
+
+@dataclasses.dataclass
+class ParallelContext:
+    """This rank's place in every parallel dimension, and the groups to talk along each."""
+
+    layout: ParallelLayout
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    etp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    ep_group: object
+    etp_group: object
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the embedding (first pipeline stage)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the output layer (last pipeline stage)."""
+        return self.pp_rank == self.layout.pp - 1
+
+
+def backend_for_device() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(layout: ParallelLayout, timeout_s: float = 600.0, seed: int = 1234) -> ParallelContext:
+    """Join the torchrun job (env:// rendezvous), set up Megatron's model parallel groups, seed the RNGs.
+
+    Every collective inherits `timeout_s`, so a dead peer ends the job with an error instead of a hang.
+    """
+    apply_cpu_patches()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend_for_device(), timeout=datetime.timedelta(seconds=timeout_s))
+    check_layout(layout, dist.get_world_size())
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return ParallelContext(
+        layout=layout,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,81 @@
+"""Launch a module under torchrun on this machine, with a deadline and a clear error when a rank fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """A torchrun job failed or ran past its deadline."""
+
+
+def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
+    """The command line that runs `python -m module args` on `nproc` local processes (free port, loopback)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes=1", f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+        "--max-restarts=0", "--monitor-interval=0.5",
+        "-m", module, *args,
+    ]  # fmt: skip
+
+
+def worker_env(nproc: int) -> dict[str, str]:
+    """Environment for worker processes: one compute thread each when they would oversubscribe the CPUs."""
+    env = dict(os.environ)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    return env
+
+
+def run_torchrun(module: str, args: list[str], nproc: int, timeout_s: float, log_path: str | Path | None = None) -> str:
+    """Run the module on `nproc` processes; return its output, or raise LaunchError with its last lines.
+
+    The whole process group is killed at the deadline, so a hung collective cannot outlive the caller.
+    """
+    cmd = torchrun_command(module, args, nproc)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(nproc), start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        _save_log(log_path, output)
+        raise LaunchError(f"{module} on {nproc} processes ran past its {timeout_s:.0f} s deadline:\n{_tail(output)}") from None
+    _save_log(log_path, output)
+    if proc.returncode != 0:
+        raise LaunchError(f"{module} on {nproc} processes failed (exit {proc.returncode}):\n{_tail(output)}")
+    return output
+
+
+_ROOT_CAUSE = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:")
+
+
+def root_cause(text: str) -> str:
+    """The first exception line a rank printed (torchrun's own summary comes after it), or ''."""
+    for line in text.splitlines():
+        if _ROOT_CAUSE.match(line.strip()) and "ChildFailedError" not in line:
+            return line.strip()
+    return ""
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    body = "\n".join(l for l in text.strip().splitlines() if not l.lstrip().startswith(("Warning", "warnings.warn")))
+    cause = root_cause(text)
+    tail = "\n".join(body.splitlines()[-lines:])
+    return f"root cause: {cause}\n{tail}" if cause else tail
+
+
+def _save_log(path: str | Path | None, text: str) -> None:
+    if path is not None:
+        Path(path).write_text(text)

@@ -1,0 +1,1 @@
+"""Command implementations over `weights/` and `models/`: make-tiny, convert, verify."""

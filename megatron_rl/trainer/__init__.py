@@ -1,0 +1,1 @@
+"""The Megatron-Core side: model and optimizer build, logprob forward, train step, distributed checkpoints."""

@@ -1,0 +1,84 @@
+"""Load a Hugging Face checkpoint into this rank's Megatron shards, reading only the tensors this rank needs."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.models import ModelArch, ModelFamily, ParamRule
+from megatron_rl.models.base import CheckpointError
+from megatron_rl.parallel.groups import ParallelContext
+from megatron_rl.weights import sharding
+from megatron_rl.weights.hf_checkpoint import HFCheckpoint, check_tensor_names
+from megatron_rl.weights.naming import canonical_name
+
+# HF checkpoints of some families carry derived buffers that no model parameter stands for.
+IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def local_offsets(model, ctx: ParallelContext, arch: ModelArch) -> tuple[int, int]:
+    """(global index of this stage's first layer, global index of this EP rank's first expert)."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    layer_offset = layers[0].layer_number - 1 if layers is not None and len(layers) else 0
+    expert_offset = ctx.ep_rank * (arch.num_experts // ctx.layout.ep) if arch.num_experts else 0
+    return layer_offset, expert_offset
+
+
+def local_tensors(model) -> dict[str, torch.Tensor]:
+    """Parameters plus the persistent buffers a checkpoint carries (the router's expert bias)."""
+    tensors = dict(model.named_parameters())
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            tensors[name] = buf
+    return tensors
+
+
+def rule_for(table: dict[str, ParamRule], canonical: str, arch: ModelArch) -> ParamRule:
+    """The rule of a canonical name; a tied output layer (last pipeline stage) reuses the embedding's."""
+    if canonical in table:
+        return table[canonical]
+    if canonical == "output_layer.weight" and arch.tie_word_embeddings:
+        return table["embedding.word_embeddings.weight"]
+    raise CheckpointError(f"Megatron parameter {canonical} has no entry in the {arch.family} parameter map")
+
+
+def tp_coords(rule: ParamRule, ctx: ParallelContext) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group that splits this parameter: ETP for experts, TP otherwise."""
+    if rule.is_expert:
+        return ctx.layout.etp, ctx.etp_rank
+    return ctx.layout.tp, ctx.tp_rank
+
+
+def build_local_tensor(ckpt: HFCheckpoint, rule: ParamRule, arch: ModelArch, ctx: ParallelContext) -> torch.Tensor:
+    """Read a rule's HF tensors, transform them to the full Megatron tensor, and cut this rank's shard."""
+    hf = [ckpt.get(name) for name in rule.hf]
+    try:
+        full = rule.to_mcore(hf, arch)
+        size, rank = tp_coords(rule, ctx)
+        return sharding.shard(full, rule, size, rank)
+    except (RuntimeError, ValueError) as err:
+        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(rule.hf, hf))
+        raise CheckpointError(f"{ckpt.folder}: {shapes} do not fit Megatron {rule.mcore} ({err})") from None
+
+
+def load_hf_into_model(model, ckpt: HFCheckpoint, family: ModelFamily, arch: ModelArch, ctx: ParallelContext) -> int:
+    """Copy every local parameter from the checkpoint; return the number of bytes read.
+
+    Fails with a CheckpointError naming the tensor on a missing/unexpected tensor, a wrong shape or dtype
+    mismatch that cannot be cast, before any parameter is half-written where possible.
+    """
+    table = family.rule_table(arch)
+    check_tensor_names(ckpt, (n for r in table.values() for n in r.hf), IGNORED_HF_SUFFIXES)
+    layer_offset, expert_offset = local_offsets(model, ctx, arch)
+    nbytes = 0
+    with torch.no_grad():
+        for local, target in local_tensors(model).items():
+            rule = rule_for(table, canonical_name(local, layer_offset, expert_offset), arch)
+            piece = build_local_tensor(ckpt, rule, arch, ctx)
+            if tuple(piece.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"{ckpt.folder}: {', '.join(rule.hf)} give shape {tuple(piece.shape)} for Megatron {local} "
+                    f"on rank {ctx.rank}, which has shape {tuple(target.shape)}"
+                )
+            target.copy_(piece)
+            nbytes += piece.numel() * piece.element_size()
+    return nbytes

@@ -1,0 +1,123 @@
+"""Build Megatron-Core's GPTModel for a model family at this rank's place in the parallel layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.models import ModelArch, ModelFamily
+from megatron_rl.parallel.groups import ParallelContext
+from megatron_rl.parallel.layout import check_layout_fits_model
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """How to build the model beyond what the checkpoint says."""
+
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    moe_dispatcher: str = "alltoall"
+    """Megatron MoE token dispatcher: alltoall or allgather."""
+    use_te: bool | None = None
+    """Transformer Engine layer spec; None uses it exactly when it imports and CUDA is present."""
+    max_sequence_length: int = 4096
+    """Longest sequence the rotary embedding is prepared for."""
+    init_weights: bool = True
+    """Randomly initialise parameters (off when a checkpoint overwrites them all anyway)."""
+    moe_aux_loss_coeff: float | None = None
+    """Override the family's load-balancing loss coefficient (0 switches it off)."""
+    recompute: bool = False
+    """Recompute every layer's activations in the backward pass (less memory, more compute)."""
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine imports and CUDA is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_transformer_config(family: ModelFamily, arch: ModelArch, hf_config: dict, ctx: ParallelContext, opts: BuildOptions):
+    """Translate the family's config kwargs into a (MLA)TransformerConfig for this layout, with CPU-safe fusions."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    kwargs = dict(family.megatron_config_kwargs(arch, hf_config))
+    kwargs["activation_func"] = _ACTIVATIONS[kwargs.pop("activation_func")]
+    kwargs.pop("multi_latent_attention", None)
+    layout = ctx.layout
+    dtype = _DTYPES[opts.dtype]
+    on_gpu = torch.cuda.is_available()
+    if opts.moe_aux_loss_coeff is not None and "moe_aux_loss_coeff" in kwargs:
+        kwargs["moe_aux_loss_coeff"] = opts.moe_aux_loss_coeff
+    if arch.num_experts:
+        coeff = kwargs.get("moe_aux_loss_coeff", 0.0)
+        kwargs.update(
+            moe_token_dispatcher_type=opts.moe_dispatcher,
+            moe_grouped_gemm=False,
+            moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        )
+    kwargs.update(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=opts.init_weights,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        bias_activation_fusion=False,
+        persist_layer_norm=False,
+        variable_seq_lengths=True,
+        deallocate_pipeline_outputs=False,
+    )
+    if opts.recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config_cls = MLATransformerConfig if family.uses_mla() else TransformerConfig
+    return config_cls(**kwargs)
+
+
+def build_gpt_model(
+    family: ModelFamily, arch: ModelArch, hf_config: dict, ctx: ParallelContext, opts: BuildOptions | None = None
+):
+    """Build this rank's GPTModel (its pipeline stage, TP/EP shards) for the given family and checkpoint config."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_rl.models.base import rope_theta
+
+    opts = opts or BuildOptions()
+    check_layout_fits_model(ctx.layout, arch)
+    config = make_transformer_config(family, arch, hf_config, ctx, opts)
+    use_te = te_available() if opts.use_te is None else opts.use_te
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=opts.max_sequence_length,
+        pre_process=ctx.is_first_stage,
+        post_process=ctx.is_last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+    )
+    return model.to(ctx.device)

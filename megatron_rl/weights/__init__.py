@@ -1,0 +1,1 @@
+"""The weight path: naming, sharding plans, gathering full HF tensors, buckets and transports."""

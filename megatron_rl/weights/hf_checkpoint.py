@@ -1,0 +1,175 @@
+"""Reading and writing Hugging Face safetensors checkpoints (single file or sharded with an index).
+
+Writing is atomic at the folder level: everything goes to a temporary sibling folder that is renamed into place
+only when complete, so a failed conversion never leaves a folder that looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_rl.models.base import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files a HF checkpoint folder carries beside its weights, copied along by conversions.
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+class HFCheckpoint:
+    """Read-only view of a HF checkpoint folder's tensors, opened lazily file by file."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: not a checkpoint folder")
+        self._handles: dict[str, object] = {}
+        self._file_of = self._read_weight_map()
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.folder / INDEX_NAME
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index}: unreadable safetensors index ({err})") from None
+            for fname in set(weight_map.values()):
+                if not (self.folder / fname).exists():
+                    raise CheckpointError(f"{index}: names shard {fname}, which is missing from {self.folder}")
+            return dict(weight_map)
+        single = self.folder / SINGLE_NAME
+        if not single.exists():
+            raise CheckpointError(f"{self.folder}: no {SINGLE_NAME} and no {INDEX_NAME}")
+        return {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            path = self.folder / fname
+            try:
+                self._handles[fname] = safe_open(str(path), framework="pt")
+            except Exception as err:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"{path}: unreadable safetensors file ({err})") from None
+        return self._handles[fname]
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        """Load one tensor by name; a CheckpointError names it and its file when that fails."""
+        if name not in self._file_of:
+            raise CheckpointError(f"{self.folder}: tensor {name} is missing")
+        fname = self._file_of[name]
+        try:
+            return self._open(fname).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name} ({err})") from None
+
+    def total_bytes(self) -> int:
+        """Sum of the sizes of the weight files."""
+        return sum((self.folder / f).stat().st_size for f in set(self._file_of.values()))
+
+
+def check_tensor_names(ckpt: HFCheckpoint, expected: Iterable[str], ignore_suffixes: tuple[str, ...] = ()) -> None:
+    """Raise a CheckpointError listing missing and unexpected tensor names (at most a few of each)."""
+    expected = set(expected)
+    present = {n for n in ckpt.names() if not n.endswith(ignore_suffixes)}
+    missing, extra = sorted(expected - present), sorted(present - expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"{len(extra)} unexpected tensor(s): {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+        raise CheckpointError(f"{ckpt.folder}: " + "; ".join(parts))
+
+
+@contextlib.contextmanager
+def staging_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary sibling of `out` that becomes `out` only if the block finishes without error."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out}: output folder exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+class ShardedWriter:
+    """Writes named tensors into `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes`."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int = 2 * 1024**3):
+        self.folder = Path(folder)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[dict[str, torch.Tensor] | list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor; flushes a shard once the budget is reached."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        index = len(self._shards)
+        save_file(self._pending, str(self.folder / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """Flush, give the shards their final names and write the index."""
+        if self._pending or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        weight_map = {}
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.folder / f"shard-{i:05d}.tmp", self.folder / final)
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(src: str | Path, dst: str | Path) -> None:
+    """Copy config and tokenizer files of a HF checkpoint folder (those that exist)."""
+    for name in SIDE_FILES:
+        path = Path(src) / name
+        if path.exists():
+            shutil.copy2(path, Path(dst) / name)
