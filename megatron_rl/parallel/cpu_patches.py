@@ -227,6 +227,36 @@ def _patch_moe_utils_te_names() -> None:
             setattr(moe_utils, name, None)
 
 
+def _patch_local_attention_mla_channels() -> None:
+    """Failure: multi-latent attention passes `k_channels`/`v_channels` to its core attention; the local
+    `DotProductAttention` (the only one without Transformer Engine) rejects them: "TypeError: __init__() got an
+    unexpected keyword argument 'k_channels'". It already handles a query/key width that differs from the value
+    width (it reshapes with -1); only its output width must become heads x v_channels."""
+    from megatron.core.transformer import dot_product_attention
+
+    cls = dot_product_attention.DotProductAttention
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original_init(self, *args, **kwargs)
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    cls.__init__ = init
+
+
+def _patch_mla_have_te_flag() -> None:
+    """Failure: `multi_latent_attention.HAVE_TE` is True without Transformer Engine installed (a mock stands in
+    for the TE classes), so `isinstance(self.linear_proj, TELinear)` raises "isinstance() arg 2 must be a type".
+    Without CUDA the TE path can never be taken: set the flag to its true value."""
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
 _PATCHES = (
     _patch_torch_cuda_shims,
     _patch_rng_tracker,
@@ -235,6 +265,8 @@ _PATCHES = (
     _patch_torch_norm_sequence_parallel,
     _patch_all_to_all_split_lists,
     _patch_moe_utils_te_names,
+    _patch_local_attention_mla_channels,
+    _patch_mla_have_te_flag,
 )
 
 

@@ -58,10 +58,11 @@ def make_transformer_config(family: ModelFamily, arch: ModelArch, hf_config: dic
     on_gpu = torch.cuda.is_available()
     if opts.moe_aux_loss_coeff is not None and "moe_aux_loss_coeff" in kwargs:
         kwargs["moe_aux_loss_coeff"] = opts.moe_aux_loss_coeff
+    # Megatron's allgather dispatcher refuses variable sequence lengths; the alltoall one (default) allows them.
+    kwargs["moe_token_dispatcher_type"] = opts.moe_dispatcher
     if arch.num_experts:
         coeff = kwargs.get("moe_aux_loss_coeff", 0.0)
         kwargs.update(
-            moe_token_dispatcher_type=opts.moe_dispatcher,
             moe_grouped_gemm=False,
             moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
         )
@@ -85,7 +86,7 @@ def make_transformer_config(family: ModelFamily, arch: ModelArch, hf_config: dic
         masked_softmax_fusion=on_gpu,
         bias_activation_fusion=False,
         persist_layer_norm=False,
-        variable_seq_lengths=True,
+        variable_seq_lengths=opts.moe_dispatcher == "alltoall",
         deallocate_pipeline_outputs=False,
     )
     if opts.recompute:
