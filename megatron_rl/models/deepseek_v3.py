@@ -146,7 +146,7 @@ class DeepseekV3Family(ModelFamily):
         return rules
 
     def tiny_hf_config(self, vocab_size: int) -> dict:
-        """Three layers (first dense), hidden 128, 8 experts in 2 groups, top-2, one shared expert."""
+        """Four layers (first dense), hidden 128, 8 experts in 2 groups, top-2, one shared expert."""
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
@@ -154,7 +154,7 @@ class DeepseekV3Family(ModelFamily):
             "hidden_size": 128,
             "intermediate_size": 256,
             "moe_intermediate_size": 64,
-            "num_hidden_layers": 3,
+            "num_hidden_layers": 4,
             "num_attention_heads": 4,
             "num_key_value_heads": 4,
             "n_shared_experts": 1,

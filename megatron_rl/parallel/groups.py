@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel.cpu_patches import apply_cpu_patches
-from megatron_rl.parallel.layout import ParallelLayout, check_layout
+from megatron_rl.parallel.layout import ParallelLayout, check_layout, rank_coords
 
 
 @dataclasses.dataclass
@@ -77,7 +77,7 @@ def init_distributed(layout: ParallelLayout, timeout_s: float = 600.0, seed: int
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return ParallelContext(
+    ctx = ParallelContext(
         layout=layout,
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -93,6 +93,16 @@ def init_distributed(layout: ParallelLayout, timeout_s: float = 600.0, seed: int
         etp_group=ps.get_expert_tensor_parallel_group(),
         device=device,
     )
+    _check_coords_match(ctx)
+    return ctx
+
+
+def _check_coords_match(ctx: ParallelContext) -> None:
+    """The pure `rank_coords` must agree with Megatron's groups: the weight plan relies on it."""
+    want = rank_coords(ctx.layout, ctx.rank)
+    got = (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.ep_rank, ctx.etp_rank)
+    if got != (want.tp, want.pp, want.dp, want.ep, want.etp):
+        raise RuntimeError(f"rank {ctx.rank}: Megatron placed it at {got}, rank_coords says {want}")
 
 
 def destroy_distributed() -> None:

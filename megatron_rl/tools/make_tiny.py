@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megatron_rl.models import get_family
-from megatron_rl.weights.hf_checkpoint import staging_folder
+from megatron_rl.models.hf_checkpoint import staging_folder
 
 TINY_VOCAB = 512
 _CORPUS_WORDS = (
@@ -85,7 +85,7 @@ def make_tiny(family_name: str, out: str | Path, seed: int = 0, overrides: dict 
 
     family = get_family(family_name)
     cfg = family.tiny_hf_config(TINY_VOCAB)
-    cfg.update(initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.update(initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg.update(overrides or {})
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)

@@ -34,26 +34,39 @@ def hf_logprobs(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = t
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
-def run_parity(hf_dir: str, layout: ParallelLayout, batch: int = 4, seq: int = 160, timeout_s: float = 900.0) -> dict:
-    """Run the comparison and return the report dictionary."""
+def megatron_logprobs(
+    hf_dir: str, layout: ParallelLayout, tokens: torch.Tensor, timeout_s: float = 900.0, mcore_dir: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """Megatron's logprobs of `tokens` at `layout` (from the HF folder, or `mcore_dir` when given), and seconds."""
+    with tempfile.TemporaryDirectory(prefix="mrl-parity-") as tmp:
+        spec = {"hf": str(hf_dir), "mcore": mcore_dir and str(mcore_dir), "layout": layout.__dict__,
+                "tokens": str(Path(tmp) / "tokens.pt"), "out": str(Path(tmp) / "mcore.pt")}  # fmt: skip
+        torch.save(tokens, spec["tokens"])
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        start = time.perf_counter()
+        run_torchrun(WORKER, [str(Path(tmp) / "spec.json")], layout.world_size, timeout_s)
+        return torch.load(spec["out"]), time.perf_counter() - start
+
+
+def run_parity(
+    hf_dir: str, layout: ParallelLayout, batch: int = 4, seq: int = 160, timeout_s: float = 900.0, mcore_dir: str | None = None
+) -> dict:
+    """Run the comparison and return the report dictionary.
+
+    With `mcore_dir`, Megatron loads that distributed checkpoint (saved at any layout) instead of the HF weights;
+    the reference is still transformers on `hf_dir`.
+    """
     hf_config = read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
     arch = family.arch_from_hf(hf_config)
     check_layout_fits_model(layout, arch)
     tokens = parity_tokens(arch.vocab_size, batch, seq)
     reference = hf_logprobs(hf_dir, tokens)
-    with tempfile.TemporaryDirectory(prefix="mrl-parity-") as tmp:
-        spec = {"hf": str(hf_dir), "layout": layout.__dict__, "tokens": str(Path(tmp) / "tokens.pt"),
-                "out": str(Path(tmp) / "mcore.pt")}  # fmt: skip
-        torch.save(tokens, spec["tokens"])
-        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        start = time.perf_counter()
-        run_torchrun(WORKER, [str(Path(tmp) / "spec.json")], layout.world_size, timeout_s)
-        seconds = time.perf_counter() - start
-        mcore = torch.load(spec["out"])
+    mcore, seconds = megatron_logprobs(hf_dir, layout, tokens, timeout_s, mcore_dir)
     diff = (mcore.double() - reference.double()).abs()
     return {
         "family": family.name,
+        "source": "mcore" if mcore_dir else "hf",
         "layout": layout.describe(),
         "world_size": layout.world_size,
         "num_tokens": int(diff.numel()),

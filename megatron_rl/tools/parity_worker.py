@@ -13,10 +13,14 @@ def main(spec_path: str) -> None:
     from megatron_rl.parallel.groups import destroy_distributed
     from megatron_rl.parallel.layout import ParallelLayout
     from megatron_rl.trainer.logprobs import forward_logprobs
-    from megatron_rl.trainer.setup import bring_up_from_hf
+    from megatron_rl.trainer.setup import bring_up_from_hf, bring_up_from_mcore
 
     spec = json.loads(open(spec_path).read())
-    rank = bring_up_from_hf(spec["hf"], ParallelLayout(**spec["layout"]))
+    layout = ParallelLayout(**spec["layout"])
+    if spec.get("mcore"):
+        rank = bring_up_from_mcore(spec["mcore"], layout)
+    else:
+        rank = bring_up_from_hf(spec["hf"], layout)
     tokens = torch.load(spec["tokens"])
     logprobs = forward_logprobs(rank.model, rank.ctx, tokens)
     ctx = rank.ctx

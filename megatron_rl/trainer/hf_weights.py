@@ -7,9 +7,9 @@ import torch
 from megatron_rl.models import ModelArch, ModelFamily, ParamRule
 from megatron_rl.models.base import CheckpointError
 from megatron_rl.parallel.groups import ParallelContext
-from megatron_rl.weights import sharding
-from megatron_rl.weights.hf_checkpoint import HFCheckpoint, check_tensor_names
-from megatron_rl.weights.naming import canonical_name
+from megatron_rl.models import sharding
+from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_tensor_names
+from megatron_rl.models.naming import canonical_name
 
 # HF checkpoints of some families carry derived buffers that no model parameter stands for.
 IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -60,7 +60,9 @@ def build_local_tensor(ckpt: HFCheckpoint, rule: ParamRule, arch: ModelArch, ctx
         raise CheckpointError(f"{ckpt.folder}: {shapes} do not fit Megatron {rule.mcore} ({err})") from None
 
 
-def load_hf_into_model(model, ckpt: HFCheckpoint, family: ModelFamily, arch: ModelArch, ctx: ParallelContext) -> int:
+def load_hf_into_model(
+    model, ckpt: HFCheckpoint, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, progress: bool = False
+) -> int:
     """Copy every local parameter from the checkpoint; return the number of bytes read.
 
     Fails with a CheckpointError naming the tensor on a missing/unexpected tensor, a wrong shape or dtype
@@ -71,7 +73,12 @@ def load_hf_into_model(model, ckpt: HFCheckpoint, family: ModelFamily, arch: Mod
     layer_offset, expert_offset = local_offsets(model, ctx, arch)
     nbytes = 0
     with torch.no_grad():
-        for local, target in local_tensors(model).items():
+        items = list(local_tensors(model).items())
+        if progress:
+            from tqdm import tqdm
+
+            items = tqdm(items, desc=f"loading {ckpt.folder.name}", unit="tensor")
+        for local, target in items:
             rule = rule_for(table, canonical_name(local, layer_offset, expert_offset), arch)
             piece = build_local_tensor(ckpt, rule, arch, ctx)
             if tuple(piece.shape) != tuple(target.shape):

@@ -33,9 +33,19 @@ def bring_up(hf_config: dict, layout: ParallelLayout, opts: BuildOptions, timeou
 def bring_up_from_hf(hf_dir: str, layout: ParallelLayout, opts: BuildOptions | None = None, timeout_s: float = 600.0) -> TrainerRank:
     """Build this rank's model and load a HF checkpoint folder into it."""
     from megatron_rl.trainer.hf_weights import load_hf_into_model
-    from megatron_rl.weights.hf_checkpoint import HFCheckpoint
+    from megatron_rl.models.hf_checkpoint import HFCheckpoint
 
     opts = opts or BuildOptions(init_weights=False)
     rank = bring_up(read_hf_config(hf_dir), layout, opts, timeout_s)
     load_hf_into_model(rank.model, HFCheckpoint(hf_dir), rank.family, rank.arch, rank.ctx)
+    return rank
+
+
+def bring_up_from_mcore(mcore_dir: str, layout: ParallelLayout, timeout_s: float = 600.0) -> TrainerRank:
+    """Build this rank's model and load a distributed checkpoint (saved at any layout) into it."""
+    from megatron_rl.trainer.checkpoint import load_checkpoint, read_hf_config_of, read_meta
+
+    meta = read_meta(mcore_dir)
+    rank = bring_up(read_hf_config_of(mcore_dir), layout, BuildOptions(dtype=meta["dtype"], init_weights=False), timeout_s)
+    load_checkpoint(rank.model, mcore_dir)
     return rank

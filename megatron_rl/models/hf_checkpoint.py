@@ -36,6 +36,9 @@ SIDE_FILES = (
 )
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64", "I32": "int32"}
+
+
 class HFCheckpoint:
     """Read-only view of a HF checkpoint folder's tensors, opened lazily file by file."""
 
@@ -90,6 +93,11 @@ class HFCheckpoint:
         except Exception as err:
             raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name} ({err})") from None
 
+    def dtype_of(self, name: str) -> str:
+        """Torch dtype name (`float32`, `bfloat16`, ...) of a tensor, read from the file header only."""
+        code = self._open(self._file_of[name]).get_slice(name).get_dtype()
+        return _SAFETENSORS_DTYPES.get(code, code.lower())
+
     def total_bytes(self) -> int:
         """Sum of the sizes of the weight files."""
         return sum((self.folder / f).stat().st_size for f in set(self._file_of.values()))
@@ -128,14 +136,19 @@ def staging_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 class ShardedWriter:
-    """Writes named tensors into `model-0000k-of-0000n.safetensors` shards of at most `max_shard_bytes`."""
+    """Writes named tensors into safetensors shards of at most `max_shard_bytes`.
 
-    def __init__(self, folder: Path, max_shard_bytes: int = 2 * 1024**3):
+    Alone, `close()` names them `model-0000k-of-0000n.safetensors` and writes the index. Several writers (one per
+    rank) use distinct `prefix`es and `finish()`; then `write_index` numbers all their shards at once.
+    """
+
+    def __init__(self, folder: Path, max_shard_bytes: int = 2 * 1024**3, prefix: str = "shard"):
         self.folder = Path(folder)
         self.max_shard_bytes = max_shard_bytes
+        self.prefix = prefix
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._shards: list[dict[str, torch.Tensor] | list[str]] = []
+        self._shards: list[tuple[str, list[str]]] = []
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -148,23 +161,35 @@ class ShardedWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        index = len(self._shards)
-        save_file(self._pending, str(self.folder / f"shard-{index:05d}.tmp"), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
+        fname = f"{self.prefix}-{len(self._shards):05d}.tmp"
+        save_file(self._pending, str(self.folder / fname), metadata={"format": "pt"})
+        self._shards.append((fname, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> tuple[list[tuple[str, list[str]]], int]:
+        """Flush what is pending; return ([(temporary file, tensor names)], bytes written)."""
+        if self._pending:
+            self._flush()
+        return list(self._shards), self.total_bytes
 
     def close(self) -> None:
         """Flush, give the shards their final names and write the index."""
-        if self._pending or not self._shards:
-            self._flush()
-        count = len(self._shards)
-        weight_map = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.folder / f"shard-{i:05d}.tmp", self.folder / final)
-            weight_map.update({n: final for n in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        shards, total = self.finish()
+        write_index(self.folder, shards, total)
+
+
+def write_index(folder: Path, shards: list[tuple[str, list[str]]], total_bytes: int) -> None:
+    """Rename temporary shard files to `model-0000k-of-0000n.safetensors` and write the index."""
+    folder = Path(folder)
+    if not shards:
+        raise CheckpointError(f"{folder}: no tensors were written")
+    weight_map = {}
+    for i, (tmp_name, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(folder / tmp_name, folder / final)
+        weight_map.update({n: final for n in names})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def copy_side_files(src: str | Path, dst: str | Path) -> None:

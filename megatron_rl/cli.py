@@ -1,0 +1,142 @@
+"""The `megatron-rl` command: make-tiny, convert, verify, config, train.
+
+Heavy imports happen inside each subcommand so that `megatron-rl --help` and config commands stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_layout_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    for name in ("tp", "pp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=1, help=f"{name.upper()} size (default 1)")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (default 1)")
+    parser.add_argument("--dp", type=int, default=None, help="data parallel size (default: smallest that fits)")
+
+
+def _layout(args):
+    from megatron_rl.parallel.layout import ParallelLayout
+
+    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=args.dp)
+
+
+def cmd_make_tiny(args) -> dict:
+    """Create a small random HF checkpoint."""
+    from megatron_rl.tools.make_tiny import make_tiny
+
+    path = make_tiny(args.family, args.out, seed=args.seed, overwrite=args.overwrite)
+    return {"family": args.family, "out": str(path), "seed": args.seed}
+
+
+def cmd_convert(args) -> dict:
+    """Convert between HF and Megatron distributed checkpoints."""
+    from megatron_rl.tools import convert
+
+    if args.direction == "hf-to-mcore":
+        return convert.hf_to_mcore(args.hf, args.out, _layout(args), overwrite=args.overwrite, timeout_s=args.timeout)
+    return convert.mcore_to_hf(args.mcore, args.out, _layout(args), overwrite=args.overwrite, timeout_s=args.timeout)
+
+
+def cmd_verify(args) -> dict:
+    """Verification commands."""
+    if args.what == "parity":
+        from megatron_rl.tools.parity import run_parity
+
+        return run_parity(args.hf, _layout(args), batch=args.batch, seq=args.seq, timeout_s=args.timeout)
+    if args.what == "roundtrip":
+        from megatron_rl.tools.compare import compare_hf_checkpoints
+
+        return compare_hf_checkpoints(args.first, args.second)
+    raise SystemExit(f"unknown verify target {args.what}")
+
+
+def cmd_config(args) -> dict | None:
+    """Show the resolved config, or explain every field."""
+    from megatron_rl.config import dump_config, explain, load_config
+
+    if args.explain:
+        print("\n".join(explain()))
+        return None
+    print(dump_config(load_config(args.config, args.overrides)), end="")
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write a small random HF checkpoint of a family")
+    p.add_argument("--family", required=True, choices=["qwen3_moe", "mixtral", "deepseek_v3", "qwen3"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("convert", help="convert checkpoints between HF safetensors and Megatron dist checkpoints")
+    conv = p.add_subparsers(dest="direction", required=True)
+    for direction, src in (("hf-to-mcore", "hf"), ("mcore-to-hf", "mcore")):
+        q = conv.add_parser(direction)
+        q.add_argument(f"--{src}", required=True, help="source checkpoint folder")
+        q.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+        _add_layout_args(q)
+        q.add_argument("--overwrite", action="store_true")
+        q.add_argument("--timeout", type=float, default=3600.0, help="seconds before the workers are killed")
+        q.add_argument("--json", action="store_true", help="print the report as one JSON object")
+        q.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("verify", help="checks against Hugging Face")
+    ver = p.add_subparsers(dest="what", required=True)
+    q = ver.add_parser("parity", help="Megatron at a layout vs transformers on one token batch")
+    q.add_argument("--hf", required=True)
+    _add_layout_args(q)
+    q.add_argument("--batch", type=int, default=4)
+    q.add_argument("--seq", type=int, default=160)
+    q.add_argument("--timeout", type=float, default=900.0)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_verify)
+    q = ver.add_parser("roundtrip", help="compare two HF checkpoints tensor by tensor")
+    q.add_argument("first")
+    q.add_argument("second")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("config", help="print the resolved config (or --explain every field)")
+    p.add_argument("config", nargs="?", default=None)
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as trainer.parallel.ep=2")
+    p.add_argument("--explain", action="store_true")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from megatron_rl.config import ConfigError
+    from megatron_rl.models.base import CheckpointError
+    from megatron_rl.parallel.layout import LayoutError
+    from megatron_rl.parallel.torchrun import LaunchError
+
+    return (ConfigError, CheckpointError, LayoutError, LaunchError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `megatron-rl` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except _known_errors() as err:
+        print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    if result is not None:
+        if getattr(args, "json", False):
+            print(json.dumps(result))
+        else:
+            for key, value in result.items():
+                print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""YAML loading, dotted command-line overrides, and validation errors that name field, value and what is allowed."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from megatron_rl.config.schema import RunConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema; the message names every problem."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into (['a','b','c'], value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{text}': empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({err})") from None
+    return key.split("."), value
+
+
+def apply_override(data: dict, path: list[str], value: Any) -> None:
+    """Set data[path[0]][path[1]]... = value, creating sections as needed."""
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: '{part}' is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _model_at(path: tuple, root: type[BaseModel] = RunConfig) -> type[BaseModel] | None:
+    model = root
+    for part in path:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _describe_error(err: dict) -> str:
+    loc = tuple(err["loc"])
+    where = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        known = sorted(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"; did you mean '{'.'.join(str(p) for p in loc[:-1] + (close[0],))}'?" if close else ""
+        return f"{where}: unknown field{hint} (known: {', '.join(known)})"
+    got = err.get("input")
+    message = err["msg"]
+    ctx = err.get("ctx") or {}
+    if "expected" in ctx:
+        message = f"must be one of {ctx['expected']}"
+    return f"{where}: {message} (got {got!r})"
+
+
+def validate(data: dict, source: str = "config") -> RunConfig:
+    """Build a RunConfig, turning pydantic's errors into one ConfigError that lists each problem."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        lines = [_describe_error(e) for e in err.errors()]
+        raise ConfigError(f"{source}: invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML file (or defaults when `path` is None), apply dotted overrides, validate."""
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    for text in overrides or []:
+        keys, value = parse_override(text)
+        apply_override(data, keys, value)
+    return validate(data, source)
+
+
+def dump_config(config: RunConfig) -> str:
+    """The config as YAML (what a run records next to its outputs)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def explain(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """One line per field: dotted name, type, default and docstring."""
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines += explain(annotation, f"{prefix}{name}.")
+            continue
+        default = field.default if field.default_factory is None else field.default_factory()
+        type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+        lines.append(f"{prefix}{name} ({type_name}, default {default!r}): {field.description or ''}")
+    return lines

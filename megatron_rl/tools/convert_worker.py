@@ -1,0 +1,76 @@
+"""torchrun worker of `megatron-rl convert` (one direction per launch, chosen by the spec file)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def hf_to_mcore(spec: dict) -> None:
+    """Load the HF checkpoint into this rank's shards, then save a distributed checkpoint."""
+    from megatron_rl.models.hf_checkpoint import HFCheckpoint
+    from megatron_rl.parallel.layout import ParallelLayout
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+    from megatron_rl.trainer.hf_weights import load_hf_into_model
+    from megatron_rl.trainer.model import BuildOptions
+    from megatron_rl.trainer.setup import bring_up
+    from megatron_rl.models import read_hf_config
+
+    hf_config = read_hf_config(spec["hf"])
+    ckpt = HFCheckpoint(spec["hf"])
+    dtypes = hf_dtypes(ckpt)
+    model_dtype = "bfloat16" if "bfloat16" in dtypes.values() else "float32"
+    rank = bring_up(hf_config, ParallelLayout(**spec["layout"]), BuildOptions(dtype=model_dtype, init_weights=False))
+    load_hf_into_model(rank.model, ckpt, rank.family, rank.arch, rank.ctx, progress=rank.ctx.rank == 0)
+    meta = {"family": rank.family.name, "dtype": model_dtype, "layout": rank.ctx.layout.describe(), "hf_dtypes": dtypes}
+    save_checkpoint(rank.model, rank.ctx, spec["out"], meta, hf_dir=spec["hf"])
+
+
+def hf_dtypes(ckpt) -> dict[str, str]:
+    """Tensor name -> dtype name, read from the safetensors headers (no tensor data loaded)."""
+    return {name: ckpt.dtype_of(name) for name in ckpt.names()}
+
+
+def mcore_to_hf(spec: dict) -> None:
+    """Load the distributed checkpoint at this layout; every owner rank writes its tensors; rank 0 indexes."""
+    import torch
+
+    from megatron_rl.models.hf_checkpoint import ShardedWriter, write_index
+    from megatron_rl.parallel.layout import ParallelLayout
+    from megatron_rl.trainer.checkpoint import copy_hf_side, read_meta
+    from megatron_rl.trainer.setup import bring_up_from_mcore
+    from megatron_rl.weights.gather import iter_hf_tensors
+
+    meta = read_meta(spec["mcore"])
+    rank = bring_up_from_mcore(spec["mcore"], ParallelLayout(**spec["layout"]))
+    out = Path(spec["out"])
+    dtypes = meta.get("hf_dtypes", {})
+    writer = ShardedWriter(out, prefix=f"rank{rank.ctx.rank:05d}")
+    for experts in (False, True):
+        for name, tensor in iter_hf_tensors(rank.model, rank.family, rank.arch, rank.ctx, experts=experts):
+            target = getattr(torch, dtypes.get(name, str(tensor.dtype).removeprefix("torch.")))
+            writer.add(name, tensor.to(target))
+    shards, nbytes = writer.finish()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (shards, nbytes))
+    if rank.ctx.rank == 0:
+        all_shards = [s for shards_of_rank, _ in gathered for s in shards_of_rank]
+        write_index(out, all_shards, sum(n for _, n in gathered))
+        copy_hf_side(spec["mcore"], out)
+    dist.barrier()
+
+
+def main(spec_path: str) -> None:
+    """Run the conversion direction named in the spec file."""
+    from megatron_rl.parallel.groups import destroy_distributed
+
+    spec = json.loads(Path(spec_path).read_text())
+    {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf}[spec["direction"]](spec)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

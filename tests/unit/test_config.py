@@ -1,0 +1,86 @@
+"""Config schema: every shipped YAML loads, overrides apply, errors name field, value and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, parse_override
+from megatron_rl.config.loader import explain
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("**/*.yaml"))
+
+
+def test_configs_exist():
+    assert CONFIGS, "configs/ ships no YAML"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    config = load_config(path)
+    assert config.steps >= 1
+
+
+def test_dotted_overrides_apply_with_yaml_types():
+    config = load_config(None, ["trainer.parallel.ep=2", "model.dtype=float32", "algorithm.is_cap=1.5", "trainer.parallel.dp="])
+    assert config.trainer.parallel.ep == 2
+    assert config.model.dtype == "float32"
+    assert config.algorithm.is_cap == 1.5
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.paralel.ep=2", "trainer.paralel: unknown field; did you mean 'trainer.parallel'"),
+        ("trainer.parallel.ep=0", "trainer.parallel.ep: Input should be greater than or equal to 1 \\(got 0\\)"),
+        ("model.dtype=fp8", "model.dtype: must be one of 'float32' or 'bfloat16' \\(got 'fp8'\\)"),
+        ("mode=fast", "mode: must be one of 'sync', 'one_step_off' or 'async'"),
+        ("steps=many", "steps: .*integer.*\\(got 'many'\\)"),
+    ],
+)
+def test_errors_name_field_value_and_allowed(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        parse_override("trainer.parallel.ep")
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["steps=3", "steps.x=1"])
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(listy)
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="buffer.capacity=4 must be at least prompts_per_step=8"):
+        load_config(None, ["buffer.capacity=4", "prompts_per_step=8"])
+
+
+def test_every_field_is_documented():
+    undocumented = [line for line in explain() if line.endswith(": ")]
+    assert not undocumented
+
+
+def test_config_import_is_light():
+    code = (
+        "import sys, megatron_rl.config as c; c.load_config(None, ['steps=2']); "
+        "heavy=[m for m in sys.modules if m.split('.')[0] in ('torch','megatron','vllm','ray','transformers')]; "
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,115 @@
+"""Model families: recognition, parameter tables against real checkpoints, transforms against references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.models import FAMILIES, CheckpointError, family_for_hf_config, get_family
+from megatron_rl.models import sharding
+from megatron_rl.models.base import ParamRule
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.models.naming import canonical_name
+from megatron_rl.models.transforms import fuse_qkv, split_qkv
+from tests.conftest import FAMILIES as FAMILY_NAMES
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_rule_table_covers_checkpoint_exactly(family, tiny_dir):
+    """Every tensor transformers saved is mapped once, and nothing else is."""
+    fam = get_family(family)
+    ckpt = HFCheckpoint(tiny_dir(family))
+    import json
+
+    hf_config = json.loads((ckpt.folder / "config.json").read_text())
+    arch = fam.arch_from_hf(hf_config)
+    mapped = [n for rule in fam.rule_table(arch).values() for n in rule.hf]
+    assert sorted(mapped) == sorted(ckpt.names())
+
+
+@pytest.mark.parametrize(
+    "config, family",
+    [
+        ({"architectures": ["Qwen3MoeForCausalLM"]}, "qwen3_moe"),
+        ({"architectures": ["MixtralForCausalLM"]}, "mixtral"),
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, "deepseek_v3"),
+        ({"model_type": "qwen3"}, "qwen3"),
+    ],
+)
+def test_family_recognition(config, family):
+    assert family_for_hf_config(config).name == family
+
+
+def test_unknown_architecture_is_named():
+    with pytest.raises(CheckpointError, match="unknown architecture \\['GPT2LMHeadModel'\\]"):
+        family_for_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+
+
+def test_missing_config_key_is_named():
+    cfg = get_family("mixtral").tiny_hf_config(512)
+    del cfg["num_local_experts"]
+    with pytest.raises(CheckpointError, match="num_local_experts"):
+        get_family("mixtral").arch_from_hf(cfg)
+
+
+def _reference_qkv(q, k, v, heads, groups, dim):
+    # Written independently of fuse_qkv: walk group by group and append rows.
+    per = heads // groups
+    rows = []
+    for g in range(groups):
+        for h in range(per):
+            rows.append(q[(g * per + h) * dim : (g * per + h + 1) * dim])
+        rows.append(k[g * dim : (g + 1) * dim])
+        rows.append(v[g * dim : (g + 1) * dim])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("heads, groups", [(4, 2), (8, 8), (8, 1)])
+def test_qkv_fuse_matches_reference_and_splits_back(heads, groups):
+    dim, hidden = 4, 6
+    q, k, v = torch.randn(heads * dim, hidden), torch.randn(groups * dim, hidden), torch.randn(groups * dim, hidden)
+    fused = fuse_qkv(q, k, v, heads, groups, dim)
+    assert torch.equal(fused, _reference_qkv(q, k, v, heads, groups, dim))
+    for got, want in zip(split_qkv(fused, heads, groups, dim), (q, k, v)):
+        assert torch.equal(got, want)
+    bias = fuse_qkv(q[:, 0], k[:, 0], v[:, 0], heads, groups, dim)
+    assert torch.equal(bias, fused[:, 0])
+
+
+@pytest.mark.parametrize("chunks, dim, size", [(1, 0, 2), (1, 1, 4), (2, 0, 2), (2, 0, 4)])
+def test_shard_unshard_round_trip(chunks, dim, size):
+    rule = ParamRule("x", ("y",), tp_dim=dim, tp_chunks=chunks)
+    full = torch.randn(16, 8)
+    shards = [sharding.shard(full, rule, size, r) for r in range(size)]
+    assert all(s.shape == sharding.shard_shape(full.shape, rule, size) for s in shards)
+    assert torch.equal(sharding.unshard(shards, rule), full)
+
+
+def test_fused_gate_up_shard_holds_its_gate_and_up_halves():
+    gate, up = torch.arange(8.0).reshape(4, 2), 100 + torch.arange(8.0).reshape(4, 2)
+    rule = ParamRule("fc1", ("g", "u"), transform="gate_up", tp_dim=0, tp_chunks=2)
+    full = rule.to_mcore([gate, up], None)
+    assert torch.equal(sharding.shard(full, rule, 2, 1), torch.cat([gate[2:], up[2:]]))
+
+
+@pytest.mark.parametrize(
+    "local, layer_offset, expert_offset, canonical",
+    [
+        ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 2, 4,
+         "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight"),
+        ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", 0, 0, "decoder.layers.1.input_layernorm.weight"),
+        ("decoder.layers.0.mlp.experts.linear_fc2.weight3", 1, 4,
+         "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight"),
+        ("embedding.word_embeddings.weight", 3, 0, "embedding.word_embeddings.weight"),
+    ],
+)  # fmt: skip
+def test_canonical_names(local, layer_offset, expert_offset, canonical):
+    assert canonical_name(local, layer_offset, expert_offset) == canonical
+
+
+def test_every_family_config_kwargs_are_plain():
+    for family in FAMILIES.values():
+        cfg = family.tiny_hf_config(512)
+        kwargs = family.megatron_config_kwargs(family.arch_from_hf(cfg), cfg)
+        assert kwargs["num_layers"] == cfg["num_hidden_layers"]
+        assert kwargs["activation_func"] == "silu"
