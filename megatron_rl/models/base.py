@@ -116,11 +116,17 @@ class ModelFamily(ABC):
         """Whether attention is multi-latent (MLATransformerConfig)."""
         return False
 
-    def rule_table(self, arch: ModelArch) -> dict[str, ParamRule]:
+    def te_variant(self, rule: ParamRule) -> ParamRule:
+        """The rule as the Transformer Engine layer spec shards it (same as the local spec unless overridden)."""
+        return rule
+
+    def rule_table(self, arch: ModelArch, te_spec: bool = False) -> dict[str, ParamRule]:
         """The parameter rules keyed by canonical Megatron name; checks that no HF name is used twice."""
         table: dict[str, ParamRule] = {}
         seen_hf: dict[str, str] = {}
         for rule in self.param_rules(arch):
+            if te_spec:
+                rule = self.te_variant(rule)
             if rule.mcore in table:
                 raise AssertionError(f"{self.name}: Megatron name {rule.mcore} mapped twice")
             for hf_name in rule.hf:

@@ -2,21 +2,25 @@
 with expert score-correction bias and grouped top-k.
 
 Facts this map relies on (measured, see shared/STACK.md): Megatron's MLA de-interleaves the rope slice as HF does
-with `rope_interleave=True`; `qk_layernorm` must be on or the q/kv latent norms vanish; down projections are
-replicated across tensor parallel ranks, up projections column-parallel.
+with `rope_interleave=True`; `qk_layernorm` must be on or the q/kv latent norms vanish; up projections are
+column-parallel; down projections are column-parallel in the local spec and duplicated in the TE spec.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from megatron_rl.models import common
 from megatron_rl.models.base import CheckpointError, ModelArch, ModelFamily, ParamRule, require, rope_theta
 
 _ATTN = {
-    # Megatron (under self_attention.) -> (HF under self_attn., tensor-parallel dim)
-    "linear_q_down_proj.weight": ("q_a_proj.weight", None),
+    # Megatron (under self_attention.) -> (HF under self_attn., tensor-parallel dim). With the local spec the
+    # down projections are column-parallel (their output is gathered before the latent norm); the TE spec
+    # duplicates them instead (see `te_variant`).
+    "linear_q_down_proj.weight": ("q_a_proj.weight", 0),
     "q_layernorm.weight": ("q_a_layernorm.weight", None),
     "linear_q_up_proj.weight": ("q_b_proj.weight", 0),
-    "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight", None),
+    "linear_kv_down_proj.weight": ("kv_a_proj_with_mqa.weight", 0),
     "kv_layernorm.weight": ("kv_a_layernorm.weight", None),
     "linear_kv_up_proj.weight": ("kv_b_proj.weight", 0),
     "linear_proj.weight": ("o_proj.weight", 1),
@@ -34,6 +38,12 @@ class DeepseekV3Family(ModelFamily):
     def uses_mla(self) -> bool:
         """DeepSeek-V3 attention is multi-latent."""
         return True
+
+    def te_variant(self, rule: ParamRule) -> ParamRule:
+        """Transformer Engine builds the MLA down projections duplicated on every TP rank."""
+        if rule.mcore.endswith(("linear_q_down_proj.weight", "linear_kv_down_proj.weight")):
+            return dataclasses.replace(rule, tp_dim=None)
+        return rule
 
     def arch_from_hf(self, hf_config: dict) -> ModelArch:
         """Read MLA ranks, dense/MoE layer split and expert counts."""

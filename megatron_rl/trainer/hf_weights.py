@@ -32,6 +32,11 @@ def local_tensors(model) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def uses_te_spec(model) -> bool:
+    """Whether the model was built with Transformer Engine layers (their sharding differs in places)."""
+    return any(type(m).__name__.startswith("TE") for m in model.modules())
+
+
 def rule_for(table: dict[str, ParamRule], canonical: str, arch: ModelArch) -> ParamRule:
     """The rule of a canonical name; a tied output layer (last pipeline stage) reuses the embedding's."""
     if canonical in table:
@@ -68,7 +73,7 @@ def load_hf_into_model(
     Fails with a CheckpointError naming the tensor on a missing/unexpected tensor, a wrong shape or dtype
     mismatch that cannot be cast, before any parameter is half-written where possible.
     """
-    table = family.rule_table(arch)
+    table = family.rule_table(arch, te_spec=uses_te_spec(model))
     check_tensor_names(ckpt, (n for r in table.values() for n in r.hf), IGNORED_HF_SUFFIXES)
     layer_offset, expert_offset = local_offsets(model, ctx, arch)
     nbytes = 0

@@ -18,7 +18,7 @@ from megatron_rl.models import ModelArch, ModelFamily, ParamRule
 from megatron_rl.models import sharding
 from megatron_rl.models.naming import canonical_name
 from megatron_rl.parallel.groups import ParallelContext
-from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords
+from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords, uses_te_spec
 
 
 def expert_data_parallel_rank(ctx: ParallelContext) -> int:
@@ -53,7 +53,7 @@ def iter_hf_tensors(
 
     A tied output layer is skipped (its HF tensor is the embedding's).
     """
-    table = family.rule_table(arch)
+    table = family.rule_table(arch, te_spec=uses_te_spec(model))
     layer_offset, expert_offset = local_offsets(model, ctx, arch)
     for local, tensor in local_tensors(model).items():
         canonical = canonical_name(local, layer_offset, expert_offset)
