@@ -45,7 +45,10 @@ def cmd_verify(args) -> dict:
     if args.what == "parity":
         from megatron_rl.tools.parity import run_parity
 
-        return run_parity(args.hf, _layout(args), batch=args.batch, seq=args.seq, timeout_s=args.timeout)
+        report = run_parity(args.hf, _layout(args), batch=args.batch, seq=args.seq, timeout_s=args.timeout, mcore_dir=args.mcore)
+        report["tolerance"] = args.tolerance
+        report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance
+        return report
     if args.what == "roundtrip":
         from megatron_rl.tools.compare import compare_hf_checkpoints
 
@@ -93,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = ver.add_parser("parity", help="Megatron at a layout vs transformers on one token batch")
     q.add_argument("--hf", required=True)
     _add_layout_args(q)
+    q.add_argument("--mcore", default=None, help="load Megatron from this distributed checkpoint instead of --hf")
+    q.add_argument("--tolerance", type=float, default=1e-4, help="max |logprob diff| that passes (exit 1 above)")
     q.add_argument("--batch", type=int, default=4)
     q.add_argument("--seq", type=int, default=160)
     q.add_argument("--timeout", type=float, default=900.0)
@@ -129,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     except _known_errors() as err:
         print(f"megatron-rl {args.command}: error: {err}", file=sys.stderr)
         return 2
-    if result is not None:
-        if getattr(args, "json", False):
-            print(json.dumps(result))
-        else:
-            for key, value in result.items():
-                print(f"{key}: {value}")
-    return 0
+    if result is None:
+        return 0
+    if getattr(args, "json", False):
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    return 1 if result.get("identical") is False or result.get("passed") is False else 0
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ class HFCheckpoint:
         single = self.folder / SINGLE_NAME
         if not single.exists():
             raise CheckpointError(f"{self.folder}: no {SINGLE_NAME} and no {INDEX_NAME}")
-        return {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}
+        return {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}  # noqa: SIM118 (not a dict)
 
     def _open(self, fname: str):
         if fname not in self._handles:

@@ -7,7 +7,8 @@ parallel ranks therefore hands each rank whole groups. Megatron's fused gate/up 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

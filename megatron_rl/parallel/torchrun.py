@@ -70,7 +70,7 @@ def root_cause(text: str) -> str:
 
 
 def _tail(text: str, lines: int = 30) -> str:
-    body = "\n".join(l for l in text.strip().splitlines() if not l.lstrip().startswith(("Warning", "warnings.warn")))
+    body = "\n".join(ln for ln in text.strip().splitlines() if not ln.lstrip().startswith(("Warning", "warnings.warn")))
     cause = root_cause(text)
     tail = "\n".join(body.splitlines()[-lines:])
     return f"root cause: {cause}\n{tail}" if cause else tail

@@ -15,19 +15,25 @@ from megatron_rl.models import family_for_hf_config, read_hf_config
 from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_tensor_names, staging_folder
 from megatron_rl.parallel.layout import ParallelLayout, check_layout_fits_model
 from megatron_rl.parallel.torchrun import run_torchrun
+from megatron_rl.tools.convert_worker import TIMING_TAG
 from megatron_rl.trainer.checkpoint import read_hf_config_of, read_meta
 
 WORKER = "megatron_rl.tools.convert_worker"
 IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def _launch(spec: dict, nproc: int, timeout_s: float) -> float:
+def _launch(spec: dict, nproc: int, timeout_s: float) -> dict:
+    """Run the worker; return wall seconds (launch included) and the workers' own conversion seconds."""
     with tempfile.TemporaryDirectory(prefix="mrl-convert-") as tmp:
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         start = time.perf_counter()
-        run_torchrun(WORKER, [str(spec_path)], nproc, timeout_s)
-        return time.perf_counter() - start
+        output = run_torchrun(WORKER, [str(spec_path)], nproc, timeout_s)
+        timing = {"wall_seconds": time.perf_counter() - start}
+    for line in output.splitlines():
+        if line.startswith(TIMING_TAG):
+            timing.update(json.loads(line[len(TIMING_TAG) :]))
+    return timing
 
 
 def hf_to_mcore(hf_dir: str, out: str, layout: ParallelLayout, overwrite: bool = False, timeout_s: float = 3600.0) -> dict:
@@ -40,8 +46,8 @@ def hf_to_mcore(hf_dir: str, out: str, layout: ParallelLayout, overwrite: bool =
     check_tensor_names(ckpt, (n for r in family.rule_table(arch).values() for n in r.hf), IGNORED_HF_SUFFIXES)
     with staging_folder(out, overwrite=overwrite) as tmp:
         spec = {"direction": "hf-to-mcore", "hf": str(hf_dir), "out": str(tmp), "layout": layout.__dict__}
-        seconds = _launch(spec, layout.world_size, timeout_s)
-    return {"family": family.name, "layout": layout.describe(), "bytes": ckpt.total_bytes(), "seconds": seconds, "out": str(out)}
+        timing = _launch(spec, layout.world_size, timeout_s)
+    return {"family": family.name, "layout": layout.describe(), "bytes": ckpt.total_bytes(), **timing, "out": str(out)}
 
 
 def mcore_to_hf(mcore_dir: str, out: str, layout: ParallelLayout | None = None, overwrite: bool = False, timeout_s: float = 3600.0) -> dict:
@@ -53,6 +59,6 @@ def mcore_to_hf(mcore_dir: str, out: str, layout: ParallelLayout | None = None, 
     check_layout_fits_model(layout, family.arch_from_hf(hf_config))
     with staging_folder(out, overwrite=overwrite) as tmp:
         spec = {"direction": "mcore-to-hf", "mcore": str(mcore_dir), "out": str(tmp), "layout": layout.__dict__}
-        seconds = _launch(spec, layout.world_size, timeout_s)
+        timing = _launch(spec, layout.world_size, timeout_s)
         nbytes = json.loads((tmp / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
-    return {"family": family.name, "layout": layout.describe(), "bytes": nbytes, "seconds": seconds, "out": str(out), "source_layout": meta.get("layout")}
+    return {"family": family.name, "layout": layout.describe(), "bytes": nbytes, **timing, "out": str(out), "source_layout": meta.get("layout")}

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+
+TIMING_TAG = "MEGATRON_RL_TIMING"
 
 
 def hf_to_mcore(spec: dict) -> None:
     """Load the HF checkpoint into this rank's shards, then save a distributed checkpoint."""
+    from megatron_rl.models import read_hf_config
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
     from megatron_rl.parallel.layout import ParallelLayout
     from megatron_rl.trainer.checkpoint import save_checkpoint
     from megatron_rl.trainer.hf_weights import load_hf_into_model
     from megatron_rl.trainer.model import BuildOptions
     from megatron_rl.trainer.setup import bring_up
-    from megatron_rl.models import read_hf_config
 
     hf_config = read_hf_config(spec["hf"])
     ckpt = HFCheckpoint(spec["hf"])
@@ -64,11 +68,16 @@ def mcore_to_hf(spec: dict) -> None:
 
 
 def main(spec_path: str) -> None:
-    """Run the conversion direction named in the spec file."""
+    """Run the conversion direction named in the spec file; rank 0 prints the slowest rank's seconds."""
     from megatron_rl.parallel.groups import destroy_distributed
 
     spec = json.loads(Path(spec_path).read_text())
+    start = time.perf_counter()
     {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf}[spec["direction"]](spec)
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        print(f"{TIMING_TAG} {json.dumps({'convert_seconds': seconds.item()})}", flush=True)
     destroy_distributed()
 
 

@@ -9,15 +9,7 @@ from megatron_rl.models import get_family
 from megatron_rl.models.hf_checkpoint import staging_folder
 
 TINY_VOCAB = 512
-_CORPUS_WORDS = (
-    "the a of to and in is it that for on with as was at by an be this from or are not have one all which "
-    "you were her she there been if would their we him when who will more no out so said what up its about "
-    "into than them can only other new some could time these two may then do first any my now such like our "
-    "over man me even most made after also did many before must through back years where much your way well "
-    "down should because each just those people how too little state good very make world still own see men "
-    "work long get here between both life being under never day same another know while last might us great "
-    "old year off come since against go came right used take three plus minus times equals answer sum number"
-).split()
+_CORPUS_WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "with", "as", "was", "at", "by", "an", "be", "this", "from", "or", "are", "not", "have", "one", "all", "which", "you", "were", "her", "she", "there", "been", "if", "would", "their", "we", "him", "when", "who", "will", "more", "no", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "plus", "minus", "times", "equals", "answer", "sum", "number"]
 
 
 def training_corpus(lines: int = 4000, seed: int = 0) -> list[str]:

@@ -34,44 +34,82 @@ def hf_logprobs(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = t
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+ParityCase = tuple  # (hf_dir, ParallelLayout, mcore_dir or None)
+
+
+def megatron_logprobs_many(
+    cases: list[ParityCase], tokens: list[torch.Tensor], timeout_s: float = 900.0
+) -> tuple[list[torch.Tensor], float]:
+    """Megatron's logprobs for each (hf_dir, layout, mcore_dir) case; one torchrun launch per world size."""
+    results: list[torch.Tensor | None] = [None] * len(cases)
+    seconds = 0.0
+    with tempfile.TemporaryDirectory(prefix="mrl-parity-") as tmp:
+        by_world: dict[int, list[dict]] = {}
+        for i, ((hf_dir, layout, mcore_dir), toks) in enumerate(zip(cases, tokens)):
+            torch.save(toks, Path(tmp) / f"tokens{i}.pt")
+            by_world.setdefault(layout.world_size, []).append(
+                {"hf": str(hf_dir), "mcore": mcore_dir and str(mcore_dir), "layout": layout.__dict__,
+                 "tokens": str(Path(tmp) / f"tokens{i}.pt"), "out": str(Path(tmp) / f"out{i}.pt"), "index": i}
+            )  # fmt: skip
+        for world, world_cases in sorted(by_world.items()):
+            spec_path = Path(tmp) / f"spec{world}.json"
+            spec_path.write_text(json.dumps({"cases": world_cases}))
+            start = time.perf_counter()
+            run_torchrun(WORKER, [str(spec_path)], world, timeout_s * len(world_cases))
+            seconds += time.perf_counter() - start
+            for case in world_cases:
+                results[case["index"]] = torch.load(case["out"])
+    return results, seconds
+
+
 def megatron_logprobs(
     hf_dir: str, layout: ParallelLayout, tokens: torch.Tensor, timeout_s: float = 900.0, mcore_dir: str | None = None
 ) -> tuple[torch.Tensor, float]:
     """Megatron's logprobs of `tokens` at `layout` (from the HF folder, or `mcore_dir` when given), and seconds."""
-    with tempfile.TemporaryDirectory(prefix="mrl-parity-") as tmp:
-        spec = {"hf": str(hf_dir), "mcore": mcore_dir and str(mcore_dir), "layout": layout.__dict__,
-                "tokens": str(Path(tmp) / "tokens.pt"), "out": str(Path(tmp) / "mcore.pt")}  # fmt: skip
-        torch.save(tokens, spec["tokens"])
-        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        start = time.perf_counter()
-        run_torchrun(WORKER, [str(Path(tmp) / "spec.json")], layout.world_size, timeout_s)
-        return torch.load(spec["out"]), time.perf_counter() - start
+    results, seconds = megatron_logprobs_many([(hf_dir, layout, mcore_dir)], [tokens], timeout_s)
+    return results[0], seconds
+
+
+def run_parity_many(cases: list[ParityCase], batch: int = 4, seq: int = 160, timeout_s: float = 900.0) -> list[dict]:
+    """Compare Megatron with transformers for each (hf_dir, layout, mcore_dir) case; one report per case.
+
+    With a `mcore_dir`, Megatron loads that distributed checkpoint (saved at any layout) instead of the HF
+    weights; the reference is still transformers on `hf_dir`.
+    """
+    prepared, references, tokens = [], {}, []
+    for hf_dir, layout, _ in cases:
+        hf_config = read_hf_config(hf_dir)
+        family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
+        arch = family.arch_from_hf(hf_config)
+        check_layout_fits_model(layout, arch)
+        toks = parity_tokens(arch.vocab_size, batch, seq)
+        if str(hf_dir) not in references:
+            references[str(hf_dir)] = hf_logprobs(hf_dir, toks)
+        prepared.append(family.name)
+        tokens.append(toks)
+    results, seconds = megatron_logprobs_many(cases, tokens, timeout_s)
+    reports = []
+    for (hf_dir, layout, mcore_dir), family, mcore in zip(cases, prepared, results):
+        reference = references[str(hf_dir)]
+        diff = (mcore.double() - reference.double()).abs()
+        reports.append(
+            {
+                "family": family,
+                "source": "mcore" if mcore_dir else "hf",
+                "layout": layout.describe(),
+                "world_size": layout.world_size,
+                "num_tokens": int(diff.numel()),
+                "max_abs_logprob_diff": float(diff.max()),
+                "mean_abs_logprob_diff": float(diff.mean()),
+                "mean_logprob": float(reference.mean()),
+                "megatron_seconds": round(seconds, 2),
+            }
+        )
+    return reports
 
 
 def run_parity(
     hf_dir: str, layout: ParallelLayout, batch: int = 4, seq: int = 160, timeout_s: float = 900.0, mcore_dir: str | None = None
 ) -> dict:
-    """Run the comparison and return the report dictionary.
-
-    With `mcore_dir`, Megatron loads that distributed checkpoint (saved at any layout) instead of the HF weights;
-    the reference is still transformers on `hf_dir`.
-    """
-    hf_config = read_hf_config(hf_dir)
-    family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
-    arch = family.arch_from_hf(hf_config)
-    check_layout_fits_model(layout, arch)
-    tokens = parity_tokens(arch.vocab_size, batch, seq)
-    reference = hf_logprobs(hf_dir, tokens)
-    mcore, seconds = megatron_logprobs(hf_dir, layout, tokens, timeout_s, mcore_dir)
-    diff = (mcore.double() - reference.double()).abs()
-    return {
-        "family": family.name,
-        "source": "mcore" if mcore_dir else "hf",
-        "layout": layout.describe(),
-        "world_size": layout.world_size,
-        "num_tokens": int(diff.numel()),
-        "max_abs_logprob_diff": float(diff.max()),
-        "mean_abs_logprob_diff": float(diff.mean()),
-        "mean_logprob": float(reference.mean()),
-        "megatron_seconds": round(seconds, 2),
-    }
+    """Compare Megatron at `layout` with transformers on one token batch; the report dictionary."""
+    return run_parity_many([(hf_dir, layout, mcore_dir)], batch, seq, timeout_s)[0]

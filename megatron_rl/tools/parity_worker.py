@@ -1,31 +1,47 @@
-"""torchrun worker of `verify parity`: load the HF checkpoint at a layout and write Megatron's logprobs."""
+"""torchrun worker of `verify parity`: for each case, load a checkpoint at a layout and write Megatron's logprobs.
+
+Several cases of the same world size share one launch: model-parallel groups are torn down and rebuilt between
+cases while the default process group stays, which saves the process start-up per case.
+"""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+from pathlib import Path
 
 import torch
 
 
-def main(spec_path: str) -> None:
-    """Bring the rank up from the HF folder, compute logprobs, and let one last-stage rank write them."""
-    from megatron_rl.parallel.groups import destroy_distributed
+def run_case(case: dict) -> None:
+    """Bring the rank up for one case, compute logprobs, let one last-stage rank write them, tear down."""
+    from megatron.core import parallel_state as ps
+
     from megatron_rl.parallel.layout import ParallelLayout
     from megatron_rl.trainer.logprobs import forward_logprobs
     from megatron_rl.trainer.setup import bring_up_from_hf, bring_up_from_mcore
 
-    spec = json.loads(open(spec_path).read())
-    layout = ParallelLayout(**spec["layout"])
-    if spec.get("mcore"):
-        rank = bring_up_from_mcore(spec["mcore"], layout)
+    layout = ParallelLayout(**case["layout"])
+    if case.get("mcore"):
+        rank = bring_up_from_mcore(case["mcore"], layout)
     else:
-        rank = bring_up_from_hf(spec["hf"], layout)
-    tokens = torch.load(spec["tokens"])
-    logprobs = forward_logprobs(rank.model, rank.ctx, tokens)
-    ctx = rank.ctx
-    if logprobs is not None and ctx.tp_rank == 0 and ctx.dp_rank == 0:
-        torch.save(logprobs.cpu(), spec["out"])
+        rank = bring_up_from_hf(case["hf"], layout)
+    logprobs = forward_logprobs(rank.model, rank.ctx, torch.load(case["tokens"]))
+    if logprobs is not None and rank.ctx.tp_rank == 0 and rank.ctx.dp_rank == 0:
+        torch.save(logprobs.cpu(), case["out"])
+    del rank
+    gc.collect()
+    ps.destroy_model_parallel()
+
+
+def main(spec_path: str) -> None:
+    """Run every case of the spec file in order."""
+    from megatron_rl.parallel.groups import destroy_distributed
+
+    spec = json.loads(Path(spec_path).read_text())
+    for case in spec["cases"]:
+        run_case(case)
     destroy_distributed()
 
 

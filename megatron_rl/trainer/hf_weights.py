@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.models import ModelArch, ModelFamily, ParamRule
+from megatron_rl.models import ModelArch, ModelFamily, ParamRule, sharding
 from megatron_rl.models.base import CheckpointError
-from megatron_rl.parallel.groups import ParallelContext
-from megatron_rl.models import sharding
 from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_tensor_names
 from megatron_rl.models.naming import canonical_name
+from megatron_rl.parallel.groups import ParallelContext
 
 # HF checkpoints of some families carry derived buffers that no model parameter stands for.
 IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)

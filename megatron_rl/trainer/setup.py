@@ -32,8 +32,8 @@ def bring_up(hf_config: dict, layout: ParallelLayout, opts: BuildOptions, timeou
 
 def bring_up_from_hf(hf_dir: str, layout: ParallelLayout, opts: BuildOptions | None = None, timeout_s: float = 600.0) -> TrainerRank:
     """Build this rank's model and load a HF checkpoint folder into it."""
-    from megatron_rl.trainer.hf_weights import load_hf_into_model
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
+    from megatron_rl.trainer.hf_weights import load_hf_into_model
 
     opts = opts or BuildOptions(init_weights=False)
     rank = bring_up(read_hf_config(hf_dir), layout, opts, timeout_s)

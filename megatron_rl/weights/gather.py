@@ -14,8 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models import ModelArch, ModelFamily, ParamRule
-from megatron_rl.models import sharding
+from megatron_rl.models import ModelArch, ModelFamily, ParamRule, sharding
 from megatron_rl.models.naming import canonical_name
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords, uses_te_spec

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.models import FAMILIES, CheckpointError, family_for_hf_config, get_family
-from megatron_rl.models import sharding
+from megatron_rl.models import FAMILIES, CheckpointError, family_for_hf_config, get_family, sharding
 from megatron_rl.models.base import ParamRule
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.naming import canonical_name

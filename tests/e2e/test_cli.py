@@ -1,0 +1,47 @@
+"""The `megatron-rl` command as a user runs it: JSON reports, exit codes, error messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def mrl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_verify_parity_prints_one_json_object(tiny_dir):
+    result = mrl("verify", "parity", "--hf", tiny_dir("mixtral"), "--tp", "2", "--ep", "2", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("family", "layout", "num_tokens", "max_abs_logprob_diff", "mean_abs_logprob_diff"):
+        assert key in report
+    assert report["family"] == "mixtral" and report["layout"] == "tp2-pp1-ep2-etp1-dp1"
+    assert report["passed"] is True
+
+
+def test_bad_layout_exits_2_with_a_named_error(tiny_dir, tmp_path):
+    result = mrl("convert", "hf-to-mcore", "--hf", tiny_dir("qwen3_moe"), "--out", str(tmp_path / "o"), "--ep", "3", "--dp", "3")
+    assert result.returncode == 2
+    assert "parallel.ep=3: the model's experts (8) is not divisible by 3" in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_make_tiny_and_config_commands(tmp_path):
+    result = mrl("make-tiny", "--family", "deepseek_v3", "--out", str(tmp_path / "ds"), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "ds"))
+    assert tok.decode(tok.encode("12 + 30 = 42")) == "12 + 30 = 42"
+    shown = mrl("config", "configs/quickstart.yaml", "trainer.parallel.ep=1")
+    assert shown.returncode == 0 and "ep: 1" in shown.stdout
+    bad = mrl("config", "configs/quickstart.yaml", "trainer.paralel.ep=1")
+    assert bad.returncode == 2 and "did you mean 'trainer.parallel'" in bad.stderr
