@@ -45,7 +45,9 @@ def cmd_verify(args) -> dict:
     if args.what == "parity":
         from megatron_rl.tools.parity import run_parity
 
-        report = run_parity(args.hf, _layout(args), batch=args.batch, seq=args.seq, timeout_s=args.timeout, mcore_dir=args.mcore)
+        report = run_parity(
+            args.hf, _layout(args), batch=args.batch, seq=args.seq, timeout_s=args.timeout, mcore_dir=args.mcore
+        )
         report["tolerance"] = args.tolerance
         report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance
         return report
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_make_tiny)
 
     p = sub.add_parser("convert", help="convert checkpoints between HF safetensors and Megatron dist checkpoints")

@@ -92,7 +92,9 @@ def moe_rules(
 def dense_mlp_rules(layer: int, hf_mlp: str = "mlp.") -> list[ParamRule]:
     """A dense SwiGLU MLP of one layer."""
     return swiglu_rules(
-        DECODER.format(layer=layer) + "mlp.", f"model.layers.{layer}.{hf_mlp}", ("gate_proj", "up_proj", "down_proj"),
+        DECODER.format(layer=layer) + "mlp.",
+        f"model.layers.{layer}.{hf_mlp}",
+        ("gate_proj", "up_proj", "down_proj"),
         layer=layer,
     )
 

@@ -142,16 +142,23 @@ class DeepseekV3Family(ModelFamily):
             h = f"model.layers.{layer}."
             rules.append(ParamRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), layer=layer))
             for mname, (hname, tp_dim) in attn.items():
-                rules.append(ParamRule(m + "self_attention." + mname, (h + "self_attn." + hname,), tp_dim=tp_dim, layer=layer))
+                rules.append(
+                    ParamRule(m + "self_attention." + mname, (h + "self_attn." + hname,), tp_dim=tp_dim, layer=layer)
+                )
             rules.append(common.pre_mlp_norm_rule(layer))
             if not arch.is_moe_layer(layer):
                 rules += common.dense_mlp_rules(layer)
                 continue
             rules += common.moe_rules(arch, layer, "mlp.gate.weight", "mlp.experts.{expert}.")
-            rules.append(ParamRule(m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), layer=layer))
+            rules.append(
+                ParamRule(m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), layer=layer)
+            )
             if arch.shared_expert_ffn_hidden_size:
                 rules += common.swiglu_rules(
-                    m + "mlp.shared_experts.", h + "mlp.shared_experts.", ("gate_proj", "up_proj", "down_proj"), layer=layer
+                    m + "mlp.shared_experts.",
+                    h + "mlp.shared_experts.",
+                    ("gate_proj", "up_proj", "down_proj"),
+                    layer=layer,
                 )
         return rules
 

@@ -36,7 +36,14 @@ SIDE_FILES = (
 )
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64", "I32": "int32"}
+_SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+}
 
 
 class HFCheckpoint:
@@ -111,7 +118,9 @@ def check_tensor_names(ckpt: HFCheckpoint, expected: Iterable[str], ignore_suffi
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            parts.append(
+                f"{len(missing)} missing tensor(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            )
         if extra:
             parts.append(f"{len(extra)} unexpected tensor(s): {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
         raise CheckpointError(f"{ckpt.folder}: " + "; ".join(parts))

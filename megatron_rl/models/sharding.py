@@ -17,7 +17,9 @@ def shard(full: torch.Tensor, rule: ParamRule, size: int, rank: int) -> torch.Te
         return full
     dim = rule.tp_dim
     if full.shape[dim] % (size * rule.tp_chunks):
-        raise ValueError(f"{rule.mcore}: dim {dim} of shape {tuple(full.shape)} does not split into {size} x {rule.tp_chunks}")
+        raise ValueError(
+            f"{rule.mcore}: dim {dim} of shape {tuple(full.shape)} does not split into {size} x {rule.tp_chunks}"
+        )
     blocks = full.chunk(rule.tp_chunks, dim=dim)
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 

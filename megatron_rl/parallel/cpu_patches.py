@@ -54,8 +54,10 @@ class _NullStream:
 
 def _patch_torch_cuda_shims() -> None:
     """Failure: Megatron calls `torch.cuda.current_device()` as a device, `torch.cuda.synchronize()` in the p2p
-    pipeline code, and `torch.cuda.Stream()/stream()/current_stream()` in the MoE alltoall dispatcher; all raise
-    "Torch not compiled with CUDA enabled". On a CPU-only process these become the CPU device and no-ops."""
+    pipeline code, `torch.cuda.Stream()/stream()/current_stream()` in the MoE alltoall dispatcher, and
+    `tensor.cuda()` (tied output layer on the last pipeline stage in `language_module.py`, the distributed
+    optimizer's gather); all raise "Torch not compiled with CUDA enabled". On a CPU-only process these become
+    the CPU device and no-ops."""
     cuda = torch.cuda
     cuda.current_device = lambda: torch.device("cpu")
     cuda.synchronize = lambda *a, **k: None
@@ -64,6 +66,7 @@ def _patch_torch_cuda_shims() -> None:
     cuda.current_stream = lambda *a, **k: _NullStream()
     cuda.default_stream = lambda *a, **k: _NullStream()
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.Tensor.cuda = lambda self, *a, **k: self
 
 
 def _patch_rng_tracker() -> None:
@@ -142,7 +145,13 @@ def _patch_param_type_names() -> None:
 
     def cuda_named_type(self, *args, **kwargs):
         result = original_type(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(result, str) and result.startswith("torch.") and ".cuda." not in result:
+        if (
+            not args
+            and not kwargs
+            and isinstance(result, str)
+            and result.startswith("torch.")
+            and ".cuda." not in result
+        ):
             return result.replace("torch.", "torch.cuda.", 1)
         return result
 

@@ -51,7 +51,9 @@ def run_torchrun(module: str, args: list[str], nproc: int, timeout_s: float, log
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         _save_log(log_path, output)
-        raise LaunchError(f"{module} on {nproc} processes ran past its {timeout_s:.0f} s deadline:\n{_tail(output)}") from None
+        raise LaunchError(
+            f"{module} on {nproc} processes ran past its {timeout_s:.0f} s deadline:\n{_tail(output)}"
+        ) from None
     _save_log(log_path, output)
     if proc.returncode != 0:
         raise LaunchError(f"{module} on {nproc} processes failed (exit {proc.returncode}):\n{_tail(output)}")

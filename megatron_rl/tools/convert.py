@@ -36,7 +36,9 @@ def _launch(spec: dict, nproc: int, timeout_s: float) -> dict:
     return timing
 
 
-def hf_to_mcore(hf_dir: str, out: str, layout: ParallelLayout, overwrite: bool = False, timeout_s: float = 3600.0) -> dict:
+def hf_to_mcore(
+    hf_dir: str, out: str, layout: ParallelLayout, overwrite: bool = False, timeout_s: float = 3600.0
+) -> dict:
     """Convert a HF checkpoint folder to a Megatron distributed checkpoint, loading it at `layout`."""
     hf_config = read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
@@ -50,7 +52,9 @@ def hf_to_mcore(hf_dir: str, out: str, layout: ParallelLayout, overwrite: bool =
     return {"family": family.name, "layout": layout.describe(), "bytes": ckpt.total_bytes(), **timing, "out": str(out)}
 
 
-def mcore_to_hf(mcore_dir: str, out: str, layout: ParallelLayout | None = None, overwrite: bool = False, timeout_s: float = 3600.0) -> dict:
+def mcore_to_hf(
+    mcore_dir: str, out: str, layout: ParallelLayout | None = None, overwrite: bool = False, timeout_s: float = 3600.0
+) -> dict:
     """Convert a Megatron distributed checkpoint back to sharded HF safetensors (loaded at `layout`, default 1)."""
     meta = read_meta(mcore_dir)
     hf_config = read_hf_config_of(mcore_dir)
@@ -61,4 +65,11 @@ def mcore_to_hf(mcore_dir: str, out: str, layout: ParallelLayout | None = None, 
         spec = {"direction": "mcore-to-hf", "mcore": str(mcore_dir), "out": str(tmp), "layout": layout.__dict__}
         timing = _launch(spec, layout.world_size, timeout_s)
         nbytes = json.loads((tmp / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
-    return {"family": family.name, "layout": layout.describe(), "bytes": nbytes, **timing, "out": str(out), "source_layout": meta.get("layout")}
+    return {
+        "family": family.name,
+        "layout": layout.describe(),
+        "bytes": nbytes,
+        **timing,
+        "out": str(out),
+        "source_layout": meta.get("layout"),
+    }

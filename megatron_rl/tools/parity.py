@@ -109,7 +109,12 @@ def run_parity_many(cases: list[ParityCase], batch: int = 4, seq: int = 160, tim
 
 
 def run_parity(
-    hf_dir: str, layout: ParallelLayout, batch: int = 4, seq: int = 160, timeout_s: float = 900.0, mcore_dir: str | None = None
+    hf_dir: str,
+    layout: ParallelLayout,
+    batch: int = 4,
+    seq: int = 160,
+    timeout_s: float = 900.0,
+    mcore_dir: str | None = None,
 ) -> dict:
     """Compare Megatron at `layout` with transformers on one token batch; the report dictionary."""
     return run_parity_many([(hf_dir, layout, mcore_dir)], batch, seq, timeout_s)[0]

@@ -28,7 +28,15 @@ def _sharded_state_dict(model, optimizer=None) -> dict:
     return state
 
 
-def save_checkpoint(model, ctx: ParallelContext, folder: str | Path, meta: dict, hf_dir: str | Path | None = None, optimizer=None, extra: dict | None = None) -> None:
+def save_checkpoint(
+    model,
+    ctx: ParallelContext,
+    folder: str | Path,
+    meta: dict,
+    hf_dir: str | Path | None = None,
+    optimizer=None,
+    extra: dict | None = None,
+) -> None:
     """Write this rank's shards to `folder` (all ranks call it); rank 0 adds metadata and the HF side files.
 
     `extra` is saved as plain tensors/numbers in a common `extra.pt` by rank 0 (step, RNG, data position, ...).

@@ -36,7 +36,9 @@ def _logprob_step(data_iterator, model):
     return output, collect
 
 
-def forward_logprobs(model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor | None:
+def forward_logprobs(
+    model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int = 1
+) -> torch.Tensor | None:
     """Log-probs [batch, seq-1] of tokens[:, 1:] given their prefixes; the tensor on last-stage ranks, None elsewhere.
 
     Every rank must pass the same `tokens`. The sequence length must be divisible by TP (sequence parallel).
@@ -68,4 +70,3 @@ def forward_logprobs(model, ctx: ParallelContext, tokens: torch.Tensor, micro_ba
     if not ctx.is_last_stage:
         return None
     return torch.cat(list(outputs), dim=0)
-

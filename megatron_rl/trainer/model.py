@@ -46,7 +46,9 @@ def te_available() -> bool:
     return True
 
 
-def make_transformer_config(family: ModelFamily, arch: ModelArch, hf_config: dict, ctx: ParallelContext, opts: BuildOptions):
+def make_transformer_config(
+    family: ModelFamily, arch: ModelArch, hf_config: dict, ctx: ParallelContext, opts: BuildOptions
+):
     """Translate the family's config kwargs into a (MLA)TransformerConfig for this layout, with CPU-safe fusions."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 

@@ -21,7 +21,9 @@ class TrainerRank:
     model: object
 
 
-def bring_up(hf_config: dict, layout: ParallelLayout, opts: BuildOptions, timeout_s: float = 600.0, seed: int = 1234) -> TrainerRank:
+def bring_up(
+    hf_config: dict, layout: ParallelLayout, opts: BuildOptions, timeout_s: float = 600.0, seed: int = 1234
+) -> TrainerRank:
     """Initialise distributed state and build this rank's model for a HF config dictionary."""
     family = family_for_hf_config(hf_config)
     arch = family.arch_from_hf(hf_config)
@@ -30,7 +32,9 @@ def bring_up(hf_config: dict, layout: ParallelLayout, opts: BuildOptions, timeou
     return TrainerRank(ctx=ctx, family=family, arch=arch, hf_config=hf_config, model=model)
 
 
-def bring_up_from_hf(hf_dir: str, layout: ParallelLayout, opts: BuildOptions | None = None, timeout_s: float = 600.0) -> TrainerRank:
+def bring_up_from_hf(
+    hf_dir: str, layout: ParallelLayout, opts: BuildOptions | None = None, timeout_s: float = 600.0
+) -> TrainerRank:
     """Build this rank's model and load a HF checkpoint folder into it."""
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
     from megatron_rl.trainer.hf_weights import load_hf_into_model
@@ -46,6 +50,8 @@ def bring_up_from_mcore(mcore_dir: str, layout: ParallelLayout, timeout_s: float
     from megatron_rl.trainer.checkpoint import load_checkpoint, read_hf_config_of, read_meta
 
     meta = read_meta(mcore_dir)
-    rank = bring_up(read_hf_config_of(mcore_dir), layout, BuildOptions(dtype=meta["dtype"], init_weights=False), timeout_s)
+    rank = bring_up(
+        read_hf_config_of(mcore_dir), layout, BuildOptions(dtype=meta["dtype"], init_weights=False), timeout_s
+    )
     load_checkpoint(rank.model, mcore_dir)
     return rank

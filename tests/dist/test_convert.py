@@ -88,8 +88,14 @@ def _corrupt_copy(src: str, dst: Path, edit) -> Path:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"), "1 missing tensor\\(s\\): model.layers.0.self_attn.k_proj.weight"),
-        (lambda t: t.__setitem__("model.layers.0.extra.weight", torch.ones(2)), "1 unexpected tensor\\(s\\): model.layers.0.extra.weight"),
+        (
+            lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"),
+            "1 missing tensor\\(s\\): model.layers.0.self_attn.k_proj.weight",
+        ),
+        (
+            lambda t: t.__setitem__("model.layers.0.extra.weight", torch.ones(2)),
+            "1 unexpected tensor\\(s\\): model.layers.0.extra.weight",
+        ),
     ],
     ids=["missing", "extra"],
 )

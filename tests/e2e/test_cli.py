@@ -28,7 +28,9 @@ def test_verify_parity_prints_one_json_object(tiny_dir):
 
 
 def test_bad_layout_exits_2_with_a_named_error(tiny_dir, tmp_path):
-    result = mrl("convert", "hf-to-mcore", "--hf", tiny_dir("qwen3_moe"), "--out", str(tmp_path / "o"), "--ep", "3", "--dp", "3")
+    result = mrl(
+        "convert", "hf-to-mcore", "--hf", tiny_dir("qwen3_moe"), "--out", str(tmp_path / "o"), "--ep", "3", "--dp", "3"
+    )
     assert result.returncode == 2
     assert "parallel.ep=3: the model's experts (8) is not divisible by 3" in result.stderr
     assert not (tmp_path / "o").exists()

@@ -25,7 +25,9 @@ def test_every_shipped_config_loads(path):
 
 
 def test_dotted_overrides_apply_with_yaml_types():
-    config = load_config(None, ["trainer.parallel.ep=2", "model.dtype=float32", "algorithm.is_cap=1.5", "trainer.parallel.dp="])
+    config = load_config(
+        None, ["trainer.parallel.ep=2", "model.dtype=float32", "algorithm.is_cap=1.5", "trainer.parallel.dp="]
+    )
     assert config.trainer.parallel.ep == 2
     assert config.model.dtype == "float32"
     assert config.algorithm.is_cap == 1.5

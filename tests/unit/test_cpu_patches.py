@@ -33,6 +33,7 @@ out = {
     "mla_have_te": multi_latent_attention.HAVE_TE,
     "dpa_takes_channels": "k_channels" in inspect.signature(DotProductAttention.__init__, follow_wrapped=False).parameters,
     "stream_noop": torch.cuda.current_stream() == torch.cuda.Stream(),
+    "tensor_cuda": str(torch.ones(2).cuda().device),
 }
 print(json.dumps(out))
 """
@@ -65,6 +66,7 @@ def test_cuda_devices_become_cpu(patched):
     assert patched["schedule_zeros"] == "cpu"
     assert patched["causal_mask"] == "cpu"
     assert patched["stream_noop"]
+    assert patched["tensor_cuda"] == "cpu"
 
 
 def test_te_fallbacks(patched):

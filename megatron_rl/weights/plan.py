@@ -1,0 +1,136 @@
+"""The pure weight-sync plan: which trainer rank sends which HF tensor, and the bucket boundaries.
+
+Every participant can compute the same plan from the same inputs, so a bucket on the wire is only bytes plus a
+small header that both sides check. No process groups here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_rl.models.base import ModelArch, ParamRule
+from megatron_rl.parallel.layout import ParallelLayout
+
+HEADER_BYTES = 64
+"""Each bucket starts with an int64 header: magic, version, bucket index, payload bytes (rest zero)."""
+ALIGN = 64
+"""Every tensor starts at a multiple of this many bytes inside a bucket."""
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One full HF tensor as the plan sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    owner: int
+    is_expert: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return math.prod(self.shape) * _DTYPE_BYTES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives inside a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """One bucket: sent by `owner` (a trainer rank), `nbytes` in total including the header."""
+
+    index: int
+    owner: int
+    is_expert: bool
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name."""
+    return _DTYPE_BYTES[dtype]
+
+
+def _stage_of(rule: ParamRule, arch: ModelArch, layout: ParallelLayout) -> int:
+    if rule.layer is not None:
+        return rule.layer // (arch.num_layers // layout.pp)
+    if rule.mcore.startswith("embedding."):
+        return 0
+    return layout.pp - 1
+
+
+def owner_rank(rule: ParamRule, arch: ModelArch, layout: ParallelLayout) -> int:
+    """Global trainer rank that yields the full tensor(s) of `rule` (see weights/gather.py's owner rule)."""
+    stage_base = _stage_of(rule, arch, layout) * layout.tp * layout.data_parallel
+    if rule.is_expert:
+        ep_rank = rule.expert // (arch.num_experts // layout.ep)
+        return stage_base + ep_rank * layout.etp
+    return stage_base
+
+
+def tensor_specs(
+    rules: dict[str, ParamRule],
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, str],
+    arch: ModelArch,
+    layout: ParallelLayout,
+) -> list[TensorSpec]:
+    """TensorSpecs of every HF tensor named by `rules` (tied output layers are not separate tensors)."""
+    specs = []
+    for rule in rules.values():
+        owner = owner_rank(rule, arch, layout)
+        for name in rule.hf:
+            specs.append(TensorSpec(name, tuple(shapes[name]), dtypes[name], owner, rule.is_expert))
+    return specs
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[BucketSpec]:
+    """Cut the tensors into buckets of at most `bucket_bytes` payload (a larger tensor gets a bucket of its own).
+
+    Order: every non-expert tensor, then every expert tensor; within a pass, owner by owner in rank order, each
+    owner's tensors in the given order. A bucket never mixes owners or passes.
+    """
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket size {bucket_bytes} bytes is below the minimum of {ALIGN}")
+    buckets: list[BucketSpec] = []
+    for expert_pass in (False, True):
+        owners = sorted({s.owner for s in specs if s.is_expert == expert_pass})
+        for owner in owners:
+            current: list[Slot] = []
+            offset = HEADER_BYTES
+            for spec in (s for s in specs if s.owner == owner and s.is_expert == expert_pass):
+                start = _align(offset)
+                if current and start + spec.nbytes - HEADER_BYTES > bucket_bytes:
+                    buckets.append(BucketSpec(len(buckets), owner, expert_pass, tuple(current), _align(offset)))
+                    current, start = [], HEADER_BYTES
+                current.append(Slot(spec.name, spec.shape, spec.dtype, start, spec.nbytes))
+                offset = start + spec.nbytes
+            if current:
+                buckets.append(BucketSpec(len(buckets), owner, expert_pass, tuple(current), _align(offset)))
+    return buckets
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_summary(buckets: list[BucketSpec]) -> dict:
+    """Counts and sizes of a plan (what benchmarks and logs print)."""
+    return {
+        "buckets": len(buckets),
+        "tensors": sum(len(b.slots) for b in buckets),
+        "bytes": sum(b.nbytes for b in buckets),
+        "payload_bytes": sum(s.nbytes for b in buckets for s in b.slots),
+        "senders": len({b.owner for b in buckets}),
+    }

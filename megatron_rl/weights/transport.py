@@ -1,0 +1,137 @@
+"""Weight-transfer process groups: one per trainer sender rank, holding that sender and every engine worker.
+
+Each group forms through its own TCPStore (hosted by its sender), never through the trainer's default group, and
+uses NCCL on GPU and gloo on CPU. Every operation has a deadline; a member that never joins is named in the error.
+With one group per sender, every pipeline stage and expert-parallel rank sends its own tensors, concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+_PREFIX = "mrl-weights"
+
+
+class TransportError(RuntimeError):
+    """A weight-transfer group could not form or a transfer failed; the message names who is missing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """Where a weight-transfer group meets and who is in it (rank 0 is the sender)."""
+
+    sender: int
+    """Trainer global rank that sends on this group."""
+    host: str
+    """Address of the sender's TCPStore."""
+    port: int
+    """Port of the sender's TCPStore."""
+    members: tuple[str, ...]
+    """Names of the members by group rank: the sender, then each engine worker."""
+    backend: str = "gloo"
+    """gloo (CPU tensors) or nccl (CUDA tensors)."""
+
+    @property
+    def world_size(self) -> int:
+        """Number of members."""
+        return len(self.members)
+
+    def to_dict(self) -> dict:
+        """Plain dictionary (it travels as JSON to engine workers)."""
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict) -> GroupSpec:
+        """Inverse of `to_dict`."""
+        return GroupSpec(**{**data, "members": tuple(data["members"])})
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class WeightGroup:
+    """One member's handle on a weight-transfer group."""
+
+    def __init__(self, spec: GroupSpec, rank: int, timeout_s: float, store: dist.TCPStore | None = None):
+        self.spec = spec
+        self.rank = rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = store or dist.TCPStore(spec.host, spec.port, None, rank == 0, self.timeout, wait_for_workers=False)
+        self.pg = None
+
+    @staticmethod
+    def host_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
+        """Start the TCPStore a sender hosts; returns it and its port (before the group forms)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for _ in range(5):
+            port = free_port(host)
+            try:
+                return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False), port
+            except (RuntimeError, OSError):  # the port was taken between probe and bind: try another
+                continue
+        raise TransportError(f"could not host a TCPStore on {host}")
+
+    def connect(self) -> WeightGroup:
+        """Form the group; blocks until every member joined, or raises naming the members that did not."""
+        prefix = dist.PrefixStore(f"{_PREFIX}/{self.spec.sender}", self.store)
+        prefix.set(f"joined/{self.rank}", self.spec.members[self.rank])
+        try:
+            if self.spec.backend == "nccl":
+                self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.spec.world_size, _nccl_options(self.timeout))
+            else:
+                self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.spec.world_size, self.timeout)
+        except (RuntimeError, dist.DistError) as err:
+            missing = self.missing_members(prefix)
+            raise TransportError(
+                f"weight group of sender {self.spec.sender}: not formed within {self.timeout.total_seconds():.0f} s; "
+                f"missing: {', '.join(missing) or 'none (joined but failed)'} ({type(err).__name__})"
+            ) from None
+        return self
+
+    def missing_members(self, prefix=None) -> list[str]:
+        """Members that have not announced themselves on the store."""
+        prefix = prefix or dist.PrefixStore(f"{_PREFIX}/{self.spec.sender}", self.store)
+        return [name for r, name in enumerate(self.spec.members) if not prefix.check([f"joined/{r}"])]
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0):
+        """Start a broadcast of `tensor` from group rank `src`; returns the Work to wait on."""
+        if self.pg is None:
+            raise TransportError(f"weight group of sender {self.spec.sender}: broadcast before connect()")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.timeout = self.timeout
+        return self.pg.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        """Drop the group (the store stays with its owner)."""
+        self.pg = None
+
+
+def _nccl_options(timeout: datetime.timedelta):
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return opts
+
+
+def wait(work, what: str, group: WeightGroup) -> None:
+    """Wait for a transfer; a failure names the group's sender and members."""
+    try:
+        work.wait()
+    except (RuntimeError, dist.DistError) as err:
+        raise TransportError(
+            f"{what} on the weight group of sender {group.spec.sender} ({', '.join(group.spec.members)}) failed: {err}"
+        ) from None
