@@ -132,7 +132,7 @@ def decoupled_ppo_loss(
     """
     iw = importance_weights(proximal_logprobs, behaviour_logprobs, mask, correction, is_cap)
     token_loss, ratio, low, high = clipped_surrogate(
-        logprobs, behaviour_logprobs, advantages, iw.mask, clip_low, clip_high
+        logprobs, proximal_logprobs, advantages, iw.mask, clip_low, clip_high
     )
     loss = aggregate_loss(iw.weights * token_loss, iw.mask, agg, normalizer)
     stats = _clip_stats(ratio, low, high, iw.mask)
