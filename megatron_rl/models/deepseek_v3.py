@@ -187,6 +187,10 @@ class DeepseekV3Family(ModelFamily):
             "num_experts_per_tok": 2,
             "first_k_dense_replace": 1,
             "norm_topk_prob": True,
+            # vLLM reads these (published DeepSeek-V3 configs carry them): without them it routes with softmax
+            # and looks for no score-correction bias.
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
             "rope_interleave": True,
             "max_position_embeddings": 2048,
             "rms_norm_eps": 1e-6,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import time
 import uuid
@@ -199,6 +198,22 @@ class VLLMEngine:
             continuations=continuations,
         )
 
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-probs of tokens[1:] of each token sequence given its prefix (vLLM prompt logprobs)."""
+        from vllm import SamplingParams
+
+        llm = self._require()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+
+        async def one(seq: list[int]) -> list[float]:
+            final = None
+            async for out in llm.generate({"prompt_token_ids": list(seq)}, params, uuid.uuid4().hex):
+                final = out
+            entries = final.prompt_logprobs[1:]
+            return [_sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
+
+        return list(await asyncio.gather(*(one(s) for s in sequences)))
+
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests (each returns what it generated so far, finish_reason 'abort')."""
         await self._require().abort(request_ids)
@@ -223,10 +238,10 @@ class VLLMEngine:
         """Call a method of the weight-update worker extension on every worker of this engine."""
         return await self._require().collective_rpc(method, timeout=timeout, args=args)
 
-    async def init_weight_groups(self, groups: list[dict], timeout_s: float) -> list:
-        """Have every worker join the weight-transfer groups (one per trainer sender)."""
+    async def init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> list:
+        """Have every worker join the weight-transfer groups (one per trainer sender) as offset + its rank."""
         return await self.collective_rpc(
-            "init_weight_groups", args=(json.dumps(groups), timeout_s), timeout=timeout_s + 30
+            "mrl_init_weight_groups", args=(groups_json, rank_offset, timeout_s), timeout=timeout_s + 30
         )
 
     async def update_weights(
@@ -241,7 +256,7 @@ class VLLMEngine:
             start = time.perf_counter()
             await self.pause(inflight)
             try:
-                results = await self.collective_rpc("receive_update", args=(version, plan_json), timeout=timeout_s)
+                results = await self.collective_rpc("mrl_receive_update", args=(version, plan_json), timeout=timeout_s)
             except BaseException as err:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"

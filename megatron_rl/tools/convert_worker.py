@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 TIMING_TAG = "MEGATRON_RL_TIMING"
+PHASES: dict[str, float] = {}
 
 
 def hf_to_mcore(spec: dict) -> None:
@@ -27,10 +28,14 @@ def hf_to_mcore(spec: dict) -> None:
     ckpt = HFCheckpoint(spec["hf"])
     dtypes = hf_dtypes(ckpt)
     model_dtype = "bfloat16" if "bfloat16" in dtypes.values() else "float32"
+    t0 = time.perf_counter()
     rank = bring_up(hf_config, ParallelLayout(**spec["layout"]), BuildOptions(dtype=model_dtype, init_weights=False))
+    t1 = time.perf_counter()
     load_hf_into_model(rank.model, ckpt, rank.family, rank.arch, rank.ctx, progress=rank.ctx.rank == 0)
+    t2 = time.perf_counter()
     meta = {"family": rank.family.name, "dtype": model_dtype, "layout": rank.ctx.layout.describe(), "hf_dtypes": dtypes}
     save_checkpoint(rank.model, rank.ctx, spec["out"], meta, hf_dir=spec["hf"])
+    PHASES.update(build=t1 - t0, load=t2 - t1, save=time.perf_counter() - t2)
 
 
 def hf_dtypes(ckpt) -> dict[str, str]:
@@ -77,7 +82,8 @@ def main(spec_path: str) -> None:
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
-        print(f"{TIMING_TAG} {json.dumps({'convert_seconds': seconds.item()})}", flush=True)
+        phases = {f"{k}_seconds": round(v, 3) for k, v in PHASES.items()}
+        print(f"{TIMING_TAG} {json.dumps({'convert_seconds': seconds.item(), **phases})}", flush=True)
     destroy_distributed()
 
 

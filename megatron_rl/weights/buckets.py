@@ -74,21 +74,21 @@ class DoubleBuffer:
         self.pending: list = [None, None]
         self.turn = 0
 
-    def next(self) -> torch.Tensor:
-        """The buffer to fill next; waits for that buffer's previous send to finish first."""
+    def next_buffer(self, wait_fn=None) -> torch.Tensor:
+        """The buffer to fill next; waits (through `wait_fn(work)` if given) for its previous send first."""
         self.turn ^= 1
-        if self.pending[self.turn] is not None:
-            self.pending[self.turn].wait()
-            self.pending[self.turn] = None
+        work, self.pending[self.turn] = self.pending[self.turn], None
+        if work is not None:
+            (wait_fn or (lambda w: w.wait()))(work)
         return self.buffers[self.turn]
 
     def sent(self, work) -> None:
         """Record the in-flight send of the buffer returned by the last `next()`."""
         self.pending[self.turn] = work
 
-    def drain(self) -> None:
-        """Wait for every in-flight send."""
+    def wait(self) -> None:
+        """Wait for every in-flight send (raises what a failed send raised)."""
         for i, work in enumerate(self.pending):
+            self.pending[i] = None
             if work is not None:
                 work.wait()
-                self.pending[i] = None

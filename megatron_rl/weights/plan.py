@@ -134,3 +134,21 @@ def plan_summary(buckets: list[BucketSpec]) -> dict:
         "payload_bytes": sum(s.nbytes for b in buckets for s in b.slots),
         "senders": len({b.owner for b in buckets}),
     }
+
+
+def plan_to_json(buckets: list[BucketSpec]) -> str:
+    """The plan as JSON (it travels to engine workers through vLLM's collective_rpc)."""
+    import json
+
+    return json.dumps([dataclasses.asdict(b) for b in buckets])
+
+
+def plan_from_json(text: str) -> list[BucketSpec]:
+    """Inverse of `plan_to_json`."""
+    import json
+
+    buckets = []
+    for b in json.loads(text):
+        slots = tuple(Slot(s["name"], tuple(s["shape"]), s["dtype"], s["offset"], s["nbytes"]) for s in b["slots"])
+        buckets.append(BucketSpec(b["index"], b["owner"], b["is_expert"], slots, b["nbytes"]))
+    return buckets

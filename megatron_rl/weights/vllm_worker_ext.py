@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rl.weights.receiver import WeightReceiver
 from megatron_rl.weights.vllm_loader import InPlaceWeightLoader, checkpoint_shapes
 
 
@@ -62,6 +63,19 @@ class WeightUpdateExtension:
         import torch
 
         return self.mrl_weight_loader().load((name, torch.tensor(data)) for name, data in named)
+
+    def mrl_init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> dict:
+        """Join every trainer sender's weight group as member `rank_offset + this worker's rank`."""
+        receiver = getattr(self, "_mrl_receiver", None) or WeightReceiver()
+        self._mrl_receiver = receiver
+        return receiver.join(groups_json, rank_offset + int(getattr(self, "rank", 0)), timeout_s)
+
+    def mrl_receive_update(self, version: int, plan_json: str) -> dict:
+        """Receive update `version` (every bucket of the plan) over the weight groups and load it in place."""
+        receiver = getattr(self, "_mrl_receiver", None)
+        if receiver is None:
+            raise RuntimeError("mrl_receive_update before mrl_init_weight_groups")
+        return receiver.receive(version, plan_json, self.mrl_weight_loader())
 
     def mrl_finish_weight_update(self) -> None:
         """End the current update (see `InPlaceWeightLoader.finish`)."""

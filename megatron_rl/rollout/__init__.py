@@ -1,0 +1,1 @@
+"""Generation side: vLLM engine actors, the engine pool, the rollout buffer, tasks and rewards."""

@@ -1,0 +1,84 @@
+"""A pool of vLLM engine actors placed with Ray placement groups, with request routing and health checks."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from megatron_rl.rollout.engine import EngineSpec, GenerationRequest, VLLMEngine
+from megatron_rl.weights.sync import EngineHandle, ray_get_named
+
+
+class EnginePool:
+    """N engines, one placement-group bundle each (CPUs on CPU machines, tp*dp GPUs on GPU machines)."""
+
+    def __init__(self, specs: list[EngineSpec], cpus_per_engine: float = 1.0, use_gpus: bool = False):
+        self.specs = specs
+        self.cpus_per_engine = cpus_per_engine
+        self.use_gpus = use_gpus
+        self.actors: dict[str, object] = {}
+        self.placement_group = None
+        self._round_robin = itertools.cycle(range(len(specs)))
+
+    def _bundle(self, spec: EngineSpec) -> dict:
+        bundle = {"CPU": self.cpus_per_engine}
+        if self.use_gpus:
+            bundle["GPU"] = spec.tensor_parallel * spec.data_parallel
+        return bundle
+
+    def start(self, timeout_s: float = 600.0) -> list[dict]:
+        """Reserve the placement group, create the actors and start vLLM in each; errors name the engine."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.placement_group = placement_group([self._bundle(s) for s in self.specs], strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_s)
+        if not ready:
+            raise RuntimeError(f"engine placement group {self.placement_group.bundle_specs} not ready in {timeout_s:.0f} s")
+        actor_cls = ray.remote(VLLMEngine)
+        for index, spec in enumerate(self.specs):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
+            self.actors[spec.name] = actor_cls.options(
+                name=spec.name,
+                num_cpus=self.cpus_per_engine,
+                num_gpus=self._bundle(spec).get("GPU", 0),
+                scheduling_strategy=strategy,
+                max_concurrency=1000,
+            ).remote(spec)
+        futures = {name: actor.start.remote() for name, actor in self.actors.items()}
+        return list(ray_get_named(futures, timeout_s, "starting vLLM").values())
+
+    def handles(self) -> list[EngineHandle]:
+        """What the trainer's weight sync needs of each engine."""
+        return [
+            EngineHandle(spec.name, self.actors[spec.name], spec.tensor_parallel * spec.data_parallel) for spec in self.specs
+        ]
+
+    def submit(self, request: GenerationRequest, engine: str | None = None):
+        """Send a request to an engine (round robin unless named); returns the Ray ObjectRef of the result."""
+        name = engine or self.specs[next(self._round_robin)].name
+        return self.actors[name].generate.remote(request)
+
+    def health(self, timeout_s: float = 30.0) -> list[dict]:
+        """Health reports of every engine."""
+        futures = {name: actor.health.remote() for name, actor in self.actors.items()}
+        return list(ray_get_named(futures, timeout_s, "health check").values())
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop vLLM in every engine and release the actors and placement group."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        for actor in self.actors.values():
+            try:
+                ray.get(actor.shutdown.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except Exception:  # a dead engine has nothing left to stop
+                pass
+            ray.kill(actor)
+        self.actors = {}
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None

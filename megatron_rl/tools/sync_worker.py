@@ -1,0 +1,137 @@
+"""torchrun worker of `verify sync` and `bench/weight_sync.py`: load the trainer, change its weights, sync them
+to the engines, and compare the engines' logprobs with the trainer's."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def perturb_weights(rank, seed: int, scale: float) -> None:
+    """Add seeded noise to every parameter, identical on every replica: it is drawn at full size and sharded."""
+    from megatron_rl.models import sharding
+    from megatron_rl.models.naming import canonical_name
+    from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords
+
+    table = rank.family.rule_table(rank.arch)
+    layer_offset, expert_offset = local_offsets(rank.model, rank.ctx, rank.arch)
+    with torch.no_grad():
+        for local, tensor in local_tensors(rank.model).items():
+            canonical = canonical_name(local, layer_offset, expert_offset)
+            rule = rule_for(table, canonical, rank.arch)
+            size, tp_rank = tp_coords(rule, rank.ctx)
+            shape = list(tensor.shape)
+            if rule.tp_dim is not None:
+                shape[rule.tp_dim] *= size
+            key = "embedding.word_embeddings.weight" if canonical == "output_layer.weight" and rank.arch.tie_word_embeddings else canonical
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+            tensor.add_(sharding.shard(noise, rule, size, tp_rank).to(tensor.device, tensor.dtype) * scale)
+
+
+def trainer_logprobs_on_rank0(rank, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Trainer logprobs of `tokens`, moved to rank 0 (they are computed on the last pipeline stage)."""
+    from megatron_rl.trainer.logprobs import forward_logprobs
+
+    logprobs = forward_logprobs(rank.model, rank.ctx, tokens)
+    holder = [logprobs.cpu() if logprobs is not None and rank.ctx.tp_rank == 0 and rank.ctx.dp_rank == 0 else None]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, holder[0])
+    return next(x for x in everyone if x is not None) if rank.ctx.rank == 0 else None
+
+
+def engine_diffs(handles, tokens: torch.Tensor, reference: torch.Tensor, timeout_s: float) -> dict:
+    """Per engine: max and mean |logprob difference| of the engines' scores of `tokens` against `reference`."""
+    from megatron_rl.weights.sync import ray_get_named
+
+    futures = {h.name: h.actor.score.remote(tokens.tolist()) for h in handles}
+    scores = ray_get_named(futures, timeout_s, "scoring")
+    out = {}
+    for name, rows in scores.items():
+        diff = (torch.tensor(rows, dtype=torch.float64) - reference.double()).abs()
+        out[name] = {"max": float(diff.max()), "mean": float(diff.mean()), "tokens": int(diff.numel())}
+    return out
+
+
+def submit_inflight(handles, count: int, max_tokens: int, vocab: int) -> list:
+    """Start `count` long generations spread over the engines (they will be in flight during the sync)."""
+    from megatron_rl.rollout.engine import GenerationRequest
+
+    gen = torch.Generator().manual_seed(7)
+    refs = []
+    for i in range(count):
+        prompt = torch.randint(3, vocab, (16,), generator=gen).tolist()
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=max_tokens, temperature=1.0)
+        refs.append(handles[i % len(handles)].actor.generate.remote(request))
+    return refs
+
+
+def summarize_inflight(results, max_tokens: int) -> dict:
+    """How many in-flight requests finished whole, how many spanned two versions, how many were continued."""
+    return {
+        "requests": len(results),
+        "complete": sum(len(r.token_ids) == max_tokens or r.finish_reason == "stop" for r in results),
+        "spanning_versions": sum(len(set(r.versions)) > 1 for r in results),
+        "continued": sum(r.continuations > 0 for r in results),
+        "tokens": sum(len(r.token_ids) for r in results),
+    }
+
+
+def main(spec_path: str) -> None:
+    """Run the whole check on this rank; rank 0 writes the report."""
+    from megatron_rl.parallel.groups import destroy_distributed
+    from megatron_rl.parallel.layout import ParallelLayout
+    from megatron_rl.rollout.ray_utils import join_ray
+    from megatron_rl.tools.parity import parity_tokens
+    from megatron_rl.trainer.setup import bring_up_from_hf
+    from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank = bring_up_from_hf(spec["hf"], ParallelLayout(**spec["layout"]))
+    is_rank0 = rank.ctx.rank == 0
+    handles = []
+    for name, workers in spec["engines"]:
+        actor = None
+        if is_rank0:
+            import ray
+
+            join_ray(spec["ray_address"])
+            actor = ray.get_actor(name)
+        handles.append(EngineHandle(name, actor, workers))
+    sync = TrainerWeightSync(rank, handles, spec["bucket_bytes"], spec["timeout_s"], inflight=spec["inflight"])
+    setup = sync.setup()
+    tokens = parity_tokens(rank.arch.vocab_size, spec["batch"], spec["seq"], seed=11)
+    report = {"plan": setup, "syncs": []}
+    for version in range(1, spec["syncs"] + 1):
+        perturb_weights(rank, seed=version, scale=spec["noise"])
+        reference = trainer_logprobs_on_rank0(rank, tokens)
+        entry = {"version": version}
+        if is_rank0:
+            entry["before"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
+            inflight = submit_inflight(handles, spec["inflight_requests"], spec["inflight_tokens"], rank.arch.vocab_size)
+            time.sleep(spec["inflight_head_start_s"] if inflight else 0)
+        dist.barrier()
+        pushed = sync.push(version)
+        if is_rank0:
+            import ray
+
+            entry["sync_seconds"] = pushed["seconds"]
+            entry["engines"] = {name: r["version"] for name, r in pushed["engines"].items()}
+            entry["after"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
+            entry["inflight"] = summarize_inflight(ray.get(inflight, timeout=spec["timeout_s"]), spec["inflight_tokens"]) if inflight else None
+            entry["versions_reported"] = {h.name: ray.get(h.actor.weight_version.remote(), timeout=30) for h in handles}
+        report["syncs"].append(entry)
+        dist.barrier()
+    if is_rank0:
+        Path(spec["out"]).write_text(json.dumps(report))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,52 @@
+"""Engine-worker side of a weight sync: join one weight group per trainer sender, receive every bucket of the
+plan in order, and hand the tensors to an in-place loader. Runs inside a vLLM worker process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from megatron_rl.weights import buckets as bucket_io
+from megatron_rl.weights.plan import plan_from_json
+from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
+
+
+class WeightReceiver:
+    """Holds this worker's weight groups between updates."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, WeightGroup] = {}
+
+    def join(self, groups_json: str, member_rank: int, timeout_s: float) -> dict:
+        """Join every sender's group as `member_rank` (the same rank in each group)."""
+        self.groups = {}
+        for data in json.loads(groups_json):
+            spec = GroupSpec.from_dict(data)
+            self.groups[spec.sender] = WeightGroup(spec, member_rank, timeout_s).connect()
+        return {"groups": sorted(self.groups), "rank": member_rank}
+
+    def receive(self, version: int, plan_json: str, loader) -> dict:
+        """Receive all buckets of update `version` in plan order; load them; finish the loader.
+
+        Raises on a bucket that does not match the plan (BucketError) or a failed transfer (TransportError):
+        the caller must then treat the engine's weights as inconsistent.
+        """
+        if not self.groups:
+            raise TransportError("receive before joining the weight groups")
+        start = time.perf_counter()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        received = 0
+        tensors = 0
+        for bucket in plan_from_json(plan_json):
+            group = self.groups.get(bucket.owner)
+            if group is None:
+                raise TransportError(f"no weight group for sender {bucket.owner} (bucket {bucket.index})")
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            wait(group.broadcast(buffer, src=0), f"bucket {bucket.index}", group)
+            tensors += loader.load(bucket_io.unpack(buffer, bucket, version))
+            received += bucket.nbytes
+        loader.finish()
+        return {"version": version, "bytes": received, "tensors": tensors, "seconds": time.perf_counter() - start}

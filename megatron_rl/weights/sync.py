@@ -1,0 +1,146 @@
+"""Live weight sync from the trainer (every torchrun rank) to vLLM engines (Ray actors), versioned.
+
+Rank 0 talks to the engines through Ray; every rank gathers (collectives) and each owner rank broadcasts its
+buckets on its own weight group. Every remote call and transfer has a deadline, and a failure names the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+
+import torch.distributed as dist
+
+from megatron_rl.trainer.setup import TrainerRank
+from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
+from megatron_rl.weights.sender import build_plan, send_update
+from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, default_backend
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed; the message names the engine(s) and what went wrong."""
+
+
+@dataclasses.dataclass
+class EngineHandle:
+    """What the trainer needs of one engine: its Ray actor handle, name and number of vLLM workers."""
+
+    name: str
+    actor: object
+    workers: int = 1
+
+
+def ray_get_named(futures: dict[str, object], timeout_s: float, what: str) -> dict[str, object]:
+    """ray.get each engine's future within one deadline; raise SyncError naming every engine that failed."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    results, failures = {}, []
+    for name, future in futures.items():
+        try:
+            results[name] = ray.get(future, timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            failures.append(f"{name}: no answer within {timeout_s:.0f} s")
+        except ray.exceptions.RayActorError as err:
+            failures.append(f"{name}: engine actor died ({type(err).__name__})")
+        except Exception as err:  # the engine raised: keep its own message, which names it
+            failures.append(f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    if failures:
+        raise SyncError(f"{what} failed for {len(failures)} engine(s): " + "; ".join(failures))
+    return results
+
+
+class TrainerWeightSync:
+    """Trainer side of weight sync. Construct on every rank (engines are only used on rank 0)."""
+
+    def __init__(
+        self,
+        rank: TrainerRank,
+        engines: list[EngineHandle],
+        bucket_bytes: int = 256 << 20,
+        timeout_s: float = 300.0,
+        host: str = "127.0.0.1",
+        inflight: str = "keep",
+    ):
+        self.rank = rank
+        self.engines = engines
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.host = host
+        self.inflight = inflight
+        self.plan: list[BucketSpec] = []
+        self.group: WeightGroup | None = None
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Rank 0 talks to the engines."""
+        return self.rank.ctx.rank == 0
+
+    def _members(self, sender: int) -> tuple[str, ...]:
+        workers = [f"{e.name}/worker{w}" for e in self.engines for w in range(e.workers)]
+        return (f"trainer-rank{sender}", *workers)
+
+    def setup(self) -> dict:
+        """Plan the buckets, start the senders' stores, and form every weight group with every engine worker."""
+        r = self.rank
+        self.plan = build_plan(r.model, r.family, r.arch, r.ctx, self.bucket_bytes)
+        senders = sorted({b.owner for b in self.plan})
+        store, port = (None, 0)
+        if r.ctx.rank in senders:
+            store, port = WeightGroup.host_store(self.host, self.timeout_s)
+        ports: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ports, port)
+        specs = [GroupSpec(s, self.host, ports[s], self._members(s), default_backend()) for s in senders]
+        futures = {}
+        if self.is_coordinator:
+            groups_json = _groups_json(specs)
+            offset = 1
+            for engine in self.engines:
+                futures[engine.name] = engine.actor.init_weight_groups.remote(groups_json, offset, self.timeout_s)
+                offset += engine.workers
+        if store is not None:
+            spec = next(s for s in specs if s.sender == r.ctx.rank)
+            try:
+                self.group = WeightGroup(spec, 0, self.timeout_s, store=store).connect()
+            except TransportError as err:
+                raise SyncError(str(err)) from None
+        if self.is_coordinator:
+            ray_get_named(futures, self.timeout_s, "joining the weight groups")
+        dist.barrier()
+        return {**plan_summary(self.plan), "bucket_bytes": self.bucket_bytes}
+
+    def push(self, version: int) -> dict:
+        """Send the current weights as update `version`; returns timing and sizes (rank 0 adds engine reports)."""
+        r = self.rank
+        start = time.perf_counter()
+        futures = {}
+        if self.is_coordinator:
+            plan_json = plan_to_json(self.plan)
+            for engine in self.engines:
+                futures[engine.name] = engine.actor.update_weights.remote(version, plan_json, self.inflight, self.timeout_s)
+        send_error = None
+        try:
+            sent = send_update(r.model, r.family, r.arch, r.ctx, self.plan, self.group, version)
+        except TransportError as err:
+            send_error = err
+            sent = {}
+        report = {"version": version, "sent": sent}
+        if self.is_coordinator:
+            # The engines' own answers say which engine failed, so they come before a transport error.
+            report["engines"] = ray_get_named(futures, self.timeout_s, f"weight update to version {version}")
+        if send_error is not None:
+            raise SyncError(f"rank {r.ctx.rank}: {send_error}")
+        report["seconds"] = time.perf_counter() - start
+        return report
+
+
+def _groups_json(specs: list[GroupSpec]) -> str:
+    import json
+
+    return json.dumps([s.to_dict() for s in specs])
+
+
+def local_host() -> str:
+    """The address engines on this machine reach the trainer at (loopback unless configured otherwise)."""
+    return socket.gethostbyname("localhost")
