@@ -94,6 +94,7 @@ class VLLMEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._aborted_for_update: set[str] = set()
+        self._running: set[str] = set()
         self.stats = {"generated_tokens": 0, "requests": 0, "continuations": 0, "busy_seconds": 0.0}
         self._active = 0
         self._busy_since: float | None = None
@@ -170,14 +171,18 @@ class VLLMEngine:
                 prompt = {"prompt_token_ids": list(req.prompt_ids) + tokens}
                 params = self._sampling_params(req, req.max_tokens - len(tokens))
                 finish = None
-                async for out in llm.generate(prompt, params, sub_id):
-                    completion = out.outputs[0]
-                    new = list(completion.token_ids)
-                    tokens += new
-                    logprobs += [_sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
-                    versions += [self.version] * len(new)
-                    finish = completion.finish_reason
-                if finish == "abort" and sub_id in self._aborted_for_update:
+                self._running.add(sub_id)
+                try:
+                    async for out in llm.generate(prompt, params, sub_id):
+                        completion = out.outputs[0]
+                        new = list(completion.token_ids)
+                        tokens += new
+                        logprobs += [_sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
+                        versions += [self.version] * len(new)
+                        finish = completion.finish_reason
+                finally:
+                    self._running.discard(sub_id)
+                if sub_id in self._aborted_for_update and finish in (None, "abort"):
                     self._aborted_for_update.discard(sub_id)
                     continuations += 1
                     continue
@@ -225,8 +230,7 @@ class VLLMEngine:
         self._resumed.clear()
         if mode == "abort":
             # Mark every running sub-request so generate() continues it instead of returning a cut response.
-            running = list(getattr(llm.output_processor, "request_states", {}).keys())
-            self._aborted_for_update.update(running)
+            self._aborted_for_update.update(self._running)
         await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
 
     async def resume(self) -> None:
