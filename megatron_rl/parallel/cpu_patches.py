@@ -134,13 +134,26 @@ def _patch_literal_cuda_devices() -> None:
         importlib.import_module(name).torch = proxy
 
 
-def _patch_param_type_names() -> None:
-    """Failure: DistributedOptimizer checks `param.type()` against 'torch.cuda.FloatTensor' (and Half/BFloat16)
-    and raises "Wrapped parameters must be one of torch.cuda.FloatTensor ..." for CPU parameters. While its
-    builders run, `Tensor.type()` without arguments reports CPU tensors under their CUDA names."""
-    from megatron.core.optimizer import distrib_optimizer
+def _wrap_method(cls, name: str, wrap) -> None:
+    """Replace `cls.name` by `wrap(function)`, keeping a staticmethod/classmethod descriptor what it was."""
+    attr = cls.__dict__.get(name)
+    if isinstance(attr, (staticmethod, classmethod)):
+        setattr(cls, name, type(attr)(wrap(attr.__func__)))
+    elif attr is not None:
+        setattr(cls, name, wrap(attr))
 
-    cls = distrib_optimizer.DistributedOptimizer
+
+def _patch_param_type_names() -> None:
+    """Failure: Megatron's optimizers check `param.type()` against 'torch.cuda.FloatTensor' (and Half/BFloat16):
+    the DistributedOptimizer's builders and `Float16OptimizerWithFloat16Params.__init__` raise "Wrapped
+    parameters must be one of torch.cuda.FloatTensor ...", and `clip_grad_by_total_norm_fp32` asserts
+    `param.grad.type() == 'torch.cuda.FloatTensor'` (AssertionError at the first step with clip_grad > 0).
+    While those functions run, `Tensor.type()` without arguments reports CPU tensors under their CUDA names.
+    `_build_model_and_main_param_groups` is a classmethod in 0.16.1 (a staticmethod elsewhere): the wrapper keeps
+    the descriptor. The wrappers nest (the builder runs inside `__init__`), so each restores what it found."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as optimizer_module
+
     original_type = torch.Tensor.type
 
     def cuda_named_type(self, *args, **kwargs):
@@ -158,20 +171,46 @@ def _patch_param_type_names() -> None:
     def with_cuda_names(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            previous = torch.Tensor.type
             torch.Tensor.type = cuda_named_type
             try:
                 return fn(*args, **kwargs)
             finally:
-                torch.Tensor.type = original_type
+                torch.Tensor.type = previous
 
         return wrapper
 
     for name in ("_build_model_and_main_param_groups", "__init__"):
-        attr = cls.__dict__.get(name)
-        if isinstance(attr, staticmethod):
-            setattr(cls, name, staticmethod(with_cuda_names(attr.__func__)))
-        elif attr is not None:
-            setattr(cls, name, with_cuda_names(attr))
+        _wrap_method(distrib_optimizer.DistributedOptimizer, name, with_cuda_names)
+    _wrap_method(optimizer_module.Float16OptimizerWithFloat16Params, "__init__", with_cuda_names)
+    # optimizer.py imported the function by name: patch both references.
+    clipped = with_cuda_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clipped
+    optimizer_module.clip_grad_by_total_norm_fp32 = clipped
+
+
+def _patch_optimizer_state_step_key() -> None:
+    """Failure: without Apex or Transformer Engine (always on CPU) the optimizer is torch's AdamW, which keeps a
+    `step` tensor in every parameter's state. Loading a DistributedOptimizer checkpoint saved as
+    `fully_reshardable` copies every key of that state from the loaded tensors, which carry no `step` (Megatron
+    restores it from the parameter groups): "KeyError: 'step'" in `_set_main_param_and_optimizer_states`
+    (megatron-core 0.16.1). The already-restored `step` is passed through as its own source."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state.get(main_param, {})
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = set_states
 
 
 def _patch_torch_norm_sequence_parallel() -> None:
@@ -271,6 +310,7 @@ _PATCHES = (
     _patch_rng_tracker,
     _patch_literal_cuda_devices,
     _patch_param_type_names,
+    _patch_optimizer_state_step_key,
     _patch_torch_norm_sequence_parallel,
     _patch_all_to_all_split_lists,
     _patch_moe_utils_te_names,

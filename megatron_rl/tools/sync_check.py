@@ -21,7 +21,7 @@ def run_sync_check(
     hf_dir: str,
     layout: ParallelLayout,
     engines: int = 2,
-    engine_tp: int = 1,
+    engine_tp: int | list[int] = 1,
     engine_ep: bool = False,
     syncs: int = 1,
     bucket_mb: float = 64,
@@ -32,8 +32,13 @@ def run_sync_check(
     batch: int = 4,
     seq: int = 160,
     timeout_s: float = 300.0,
+    kill_engine: str | None = None,
 ) -> dict:
-    """Run the check and return the report (the last sync's figures at top level, every sync under `syncs`)."""
+    """Run the check and return the report (the last sync's figures at top level, every sync under `syncs`).
+
+    `engine_tp` may list one size per engine. `kill_engine` (fault injection) kills that engine's actor right
+    before the last sync, which must then fail within `timeout_s` naming it.
+    """
     from megatron_rl.rollout.engine import EngineSpec
     from megatron_rl.rollout.pool import EnginePool
     from megatron_rl.rollout.ray_utils import start_local_ray
@@ -42,8 +47,11 @@ def run_sync_check(
     family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
     check_layout_fits_model(layout, family.arch_from_hf(hf_config))
     ray_info = start_local_ray()
+    tps = engine_tp if isinstance(engine_tp, list) else [engine_tp] * engines
+    if len(tps) != engines:
+        raise ValueError(f"engine_tp lists {len(tps)} sizes for {engines} engines")
     specs = [
-        EngineSpec(f"engine-{i}", str(hf_dir), dtype="float32", tensor_parallel=engine_tp, expert_parallel=engine_ep, max_model_len=1024, seed=i)
+        EngineSpec(f"engine-{i}", str(hf_dir), dtype="float32", tensor_parallel=tps[i], expert_parallel=engine_ep, max_model_len=1024, seed=i)
         for i in range(engines)
     ]
     pool = EnginePool(specs, cpus_per_engine=0.5)
@@ -55,6 +63,7 @@ def run_sync_check(
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
                 "timeout_s": timeout_s, "inflight": inflight, "syncs": syncs, "noise": noise, "batch": batch, "seq": seq,
                 "inflight_requests": inflight_requests, "inflight_tokens": inflight_tokens, "inflight_head_start_s": 0.5,
+                "kill_engine": kill_engine,
                 "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -62,10 +71,10 @@ def run_sync_check(
             report = json.loads(Path(spec["out"]).read_text())
     finally:
         pool.shutdown()
-    return summarize(report, family.name, layout, engines, engine_tp, engine_ep)
+    return summarize(report, family.name, layout, engines, tps, engine_ep)
 
 
-def summarize(report: dict, family: str, layout: ParallelLayout, engines: int, engine_tp: int, engine_ep: bool) -> dict:
+def summarize(report: dict, family: str, layout: ParallelLayout, engines: int, engine_tp: list[int], engine_ep: bool) -> dict:
     """Top-level figures from the worker's per-sync report."""
     last = report["syncs"][-1]
     first = report["syncs"][0]

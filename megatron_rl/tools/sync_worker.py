@@ -116,6 +116,10 @@ def main(spec_path: str) -> None:
             entry["before"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
             inflight = submit_inflight(handles, spec["inflight_requests"], spec["inflight_tokens"], rank.arch.vocab_size)
             time.sleep(spec["inflight_head_start_s"] if inflight else 0)
+        if is_rank0 and spec.get("kill_engine") and version == spec["syncs"]:
+            import ray
+
+            ray.kill(next(h.actor for h in handles if h.name == spec["kill_engine"]))
         dist.barrier()
         pushed = sync.push(version)
         if is_rank0:

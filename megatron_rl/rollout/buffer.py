@@ -1,0 +1,377 @@
+"""The rollout buffer between the engines and the trainer, with exact-once accounting of prompts.
+
+Life of a prompt (its index is its data position in the `PromptStream`):
+
+    claim_prompts -> in flight --put_group--> buffered --get_batch--> consumed
+                        |  \\--requeue--> back to the retry queue (generated again, counted once)
+                        \\-- put_group of an invalid group / requeue limit --> dropped[reason]
+    buffered --get_batch (stale, policy 'drop') / set_trainer_version--> dropped['stale']
+
+Invariant, checked by `check_accounting()` after anything: produced == consumed + dropped + buffered + in_flight,
+where `produced` counts the prompts handed out and not requeued, and drawn == produced + retry_pending.
+
+Capacity bounds buffered + in-flight groups: `claim_prompts` reserves a slot for every prompt it hands out, so
+`put_group` never refuses for lack of space and no finished group is ever lost; generation waits (claims return
+fewer prompts) while the trainer lags.
+
+Concurrency: a threaded class. Every public method holds one lock; `claim_prompts` and `get_batch` wait on a
+condition variable (lock released) up to their timeout. As a Ray actor (`make_buffer_actor`) it runs with
+`max_concurrency` threads, so waiting calls must leave at least one thread free for `put_group`.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import threading
+import time
+from typing import Any, Literal
+
+from megatron_rl.rollout.tasks import PromptStream
+from megatron_rl.rollout.types import Group
+
+STATE_FORMAT = 1
+DROP_LOG_SIZE = 100  # most recent drops kept with their prompt index and why; the counts are always complete
+
+
+class RolloutBufferError(RuntimeError):
+    """A call the buffer refuses (wrong prompt, impossible batch, bad state); the message says why."""
+
+
+class AccountingError(AssertionError):
+    """The prompt accounting identity does not hold (a buffer bug)."""
+
+
+class RolloutBuffer:
+    """Groups waiting for the trainer, the prompts being generated and the counters that account for each."""
+
+    def __init__(
+        self,
+        capacity: int = 256,
+        max_staleness: int = 4,
+        stale_policy: Literal["drop", "correct"] = "drop",
+        prompts: PromptStream | None = None,
+        max_requeues: int = 3,
+    ):
+        if capacity < 1:
+            raise RolloutBufferError(f"capacity must be at least 1, got {capacity}")
+        if max_staleness < 0:
+            raise RolloutBufferError(f"max_staleness must be at least 0, got {max_staleness}")
+        if stale_policy not in ("drop", "correct"):
+            raise RolloutBufferError(f"stale_policy={stale_policy!r} is not one of 'drop', 'correct'")
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.max_requeues = max_requeues
+        self.prompts = prompts
+        self._cond = threading.Condition()
+        self._heap: list[tuple[int, int, Group]] = []  # (oldest token version, arrival number, group)
+        self._arrivals = 0
+        self._in_flight: dict[int, dict] = {}
+        self._retry: collections.deque[tuple[int, dict]] = collections.deque()
+        self._requeues: dict[int, int] = {}
+        self._counters = collections.Counter()  # drawn, produced, consumed, requeued, corrected, staleness_sum
+        self._dropped = collections.Counter()
+        self._drop_log: collections.deque[dict] = collections.deque(maxlen=DROP_LOG_SIZE)
+        self.trainer_version = 0
+
+    @classmethod
+    def from_config(cls, buffer_cfg, prompts: PromptStream | None = None, max_requeues: int = 3) -> RolloutBuffer:
+        """Build from a `BufferConfig`."""
+        return cls(buffer_cfg.capacity, buffer_cfg.max_staleness, buffer_cfg.stale_policy, prompts, max_requeues)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation side.
+
+    def claim_prompts(self, n: int, timeout_s: float = 0.0) -> list[tuple[int, dict]]:
+        """Hand out up to `n` prompts to generate, as (prompt index, prompt record); they are now in flight.
+
+        Requeued prompts come first. Returns fewer (possibly none) when the buffer is full after waiting up to
+        `timeout_s` for a free slot, or when the prompt stream is exhausted.
+        """
+        if n < 0:
+            raise RolloutBufferError(f"claim_prompts: n must be >= 0, got {n}")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._free_slots() == 0 and self._cond.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            claimed: list[tuple[int, dict]] = []
+            want = min(n, self._free_slots())
+            while len(claimed) < want:
+                item = self._next_prompt()
+                if item is None:
+                    break
+                self._in_flight[item[0]] = item[1]
+                self._counters["produced"] += 1
+                claimed.append(item)
+            return claimed
+
+    def _next_prompt(self) -> tuple[int, dict] | None:
+        if self._retry:
+            return self._retry.popleft()
+        if self.prompts is None:
+            raise RolloutBufferError("claim_prompts: this buffer has no prompt stream")
+        item = self.prompts.next()
+        if item is not None:
+            self._counters["drawn"] += 1
+        return item
+
+    def _free_slots(self) -> int:
+        return max(0, self.capacity - len(self._heap) - len(self._in_flight))
+
+    def put_group(self, group: Group) -> bool:
+        """Deliver the group of an in-flight prompt: True when buffered, False when dropped (and counted).
+
+        A group is dropped as 'bad_reward' when a reward is not a finite number, 'invalid' when it has no
+        response token, and 'stale' when it is already too old for the trainer under the 'drop' policy. A group
+        for a prompt that is not in flight, or a malformed group, raises RolloutBufferError.
+        """
+        try:
+            group.check_structure()
+        except ValueError as err:
+            raise RolloutBufferError(f"put_group rejected: {err}") from err
+        with self._cond:
+            index = group.prompt_index
+            if index not in self._in_flight:
+                raise RolloutBufferError(f"put_group rejected: prompt {index} is not in flight ({self._where(index)})")
+            problem = group.invalid_reason()
+            if problem is None and self._too_stale(group, self.trainer_version) and self.stale_policy == "drop":
+                problem = ("stale", self._stale_detail(group, self.trainer_version))
+            prompt = self._in_flight.pop(index)
+            self._requeues.pop(index, None)
+            if problem is not None:
+                self._drop(index, *problem)
+            else:
+                group.metadata.setdefault("prompt", prompt)
+                heapq.heappush(self._heap, (_order_version(group), self._arrivals, group))
+                self._arrivals += 1
+            self._cond.notify_all()
+            return problem is None
+
+    def requeue(self, prompt_index: int, reason: str = "") -> bool:
+        """Give an in-flight prompt back (its engine died): it is generated again and still counted once.
+
+        Returns True when requeued, False when the prompt exceeded `max_requeues` and was dropped
+        ('requeue_limit').
+        """
+        with self._cond:
+            if prompt_index not in self._in_flight:
+                raise RolloutBufferError(
+                    f"requeue: prompt {prompt_index} is not in flight ({self._where(prompt_index)})"
+                )
+            count = self._requeues.get(prompt_index, 0) + 1
+            prompt = self._in_flight.pop(prompt_index)
+            if count > self.max_requeues:
+                self._requeues.pop(prompt_index, None)
+                self._drop(prompt_index, "requeue_limit", f"requeued {count - 1} times already; last: {reason}")
+                self._cond.notify_all()
+                return False
+            self._requeues[prompt_index] = count
+            self._retry.append((prompt_index, prompt))
+            self._counters["produced"] -= 1
+            self._counters["requeued"] += 1
+            self._cond.notify_all()
+            return True
+
+    def _where(self, index: int) -> str:
+        """Why a prompt index is not in flight, for error messages."""
+        if any(i == index for i, _ in self._retry):
+            return "it was requeued and not claimed again"
+        if any(g.prompt_index == index for _, _, g in self._heap):
+            return "its group is already buffered"
+        if index < 0 or self.prompts is None or index >= self.prompts.position:
+            return "it was never handed out"
+        return "its group was already consumed or dropped"
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Trainer side.
+
+    def get_batch(
+        self, num_groups: int, current_version: int, timeout_s: float = 0.0, allow_partial: bool = False
+    ) -> list[Group]:
+        """The `num_groups` oldest groups (oldest token first) for a trainer at `current_version`.
+
+        Waits up to `timeout_s` for enough groups and returns [] if they do not come (nothing is consumed).
+        Groups older than `max_staleness` are dropped first ('drop') or handed out with `stale=True`
+        ('correct'). When no more groups can ever come (stream exhausted, nothing in flight), returns what is
+        left if `allow_partial`, else [].
+        """
+        if not 1 <= num_groups <= self.capacity:
+            raise RolloutBufferError(f"get_batch: num_groups={num_groups} must be in [1, capacity={self.capacity}]")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._advance_version(current_version)
+            while len(self._heap) < num_groups and not self._finished():
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    break
+                self._evict_stale(current_version)
+            if len(self._heap) < num_groups and not (allow_partial and self._finished()):
+                return []
+            batch = [heapq.heappop(self._heap)[2] for _ in range(min(num_groups, len(self._heap)))]
+            for group in batch:
+                self._hand_out(group, current_version)
+            self._cond.notify_all()
+            return batch
+
+    def set_trainer_version(self, version: int) -> None:
+        """Tell the buffer the trainer's version: stale groups are dropped now (freeing slots for generation)."""
+        with self._cond:
+            self._advance_version(version)
+            self._cond.notify_all()
+
+    def _advance_version(self, version: int) -> None:
+        self.trainer_version = max(self.trainer_version, version)
+        self._evict_stale(version)
+
+    def _hand_out(self, group: Group, current_version: int) -> None:
+        staleness = group.staleness(current_version)
+        group.stale = staleness > self.max_staleness
+        self._counters["consumed"] += 1
+        self._counters["corrected"] += int(group.stale)
+        self._counters["staleness_sum"] += max(0, staleness)
+        self._counters["staleness_max"] = max(self._counters["staleness_max"], staleness)
+
+    def _too_stale(self, group: Group, version: int) -> bool:
+        return group.staleness(version) > self.max_staleness
+
+    def _stale_detail(self, group: Group, version: int) -> str:
+        return f"oldest token version {group.min_version()} is {group.staleness(version)} behind trainer version {version} (max_staleness={self.max_staleness})"
+
+    def _evict_stale(self, version: int) -> None:
+        """Drop stale groups ('drop' policy); the heap is ordered oldest first, so they are on top."""
+        if self.stale_policy != "drop":
+            return
+        evicted = False
+        while self._heap and self._too_stale(self._heap[0][2], version):
+            group = heapq.heappop(self._heap)[2]
+            self._drop(group.prompt_index, "stale", self._stale_detail(group, version))
+            evicted = True
+        if evicted:  # slots freed: wake claimers waiting for space
+            self._cond.notify_all()
+
+    def _finished(self) -> bool:
+        """No group can arrive any more: nothing in flight or to retry, and the stream is exhausted."""
+        exhausted = self.prompts is None or self.prompts.exhausted
+        return exhausted and not self._in_flight and not self._retry
+
+    def _drop(self, index: int, reason: str, detail: str) -> None:
+        self._dropped[reason] += 1
+        self._drop_log.append({"prompt_index": index, "reason": reason, "detail": detail})
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Accounting, stats, checkpoints.
+
+    def check_accounting(self) -> dict[str, int]:
+        """Assert produced == consumed + dropped + buffered + in_flight (and drawn == produced + retry_pending);
+        return the counts."""
+        with self._cond:
+            counts = self._counts()
+        total = counts["consumed"] + counts["dropped"] + counts["buffered"] + counts["in_flight"]
+        if counts["produced"] != total:
+            raise AccountingError(
+                f"produced {counts['produced']} != consumed + dropped + buffered + in_flight {total}: {counts}"
+            )
+        if counts["drawn"] != counts["produced"] + counts["retry_pending"]:
+            raise AccountingError(f"drawn {counts['drawn']} != produced + retry_pending: {counts}")
+        return counts
+
+    def _counts(self) -> dict[str, int]:
+        return {
+            "drawn": self._counters["drawn"],
+            "produced": self._counters["produced"],
+            "in_flight": len(self._in_flight),
+            "buffered": len(self._heap),
+            "consumed": self._counters["consumed"],
+            "dropped": sum(self._dropped.values()),
+            "retry_pending": len(self._retry),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Counts, drops by reason (and the most recent ones), versions and staleness, for metrics."""
+        with self._cond:
+            versions = [v for v, _, _ in self._heap]
+            consumed = self._counters["consumed"]
+            return {
+                **self._counts(),
+                "dropped_by_reason": dict(self._dropped),
+                "recent_drops": list(self._drop_log)[-10:],
+                "requeued": self._counters["requeued"],
+                "corrected": self._counters["corrected"],
+                "capacity": self.capacity,
+                "free_slots": self._free_slots(),
+                "trainer_version": self.trainer_version,
+                "oldest_version": min(versions) if versions else None,
+                "newest_version": max(versions) if versions else None,
+                "mean_staleness": self._counters["staleness_sum"] / consumed if consumed else 0.0,
+                "max_staleness_seen": self._counters["staleness_max"],
+                "data_position": self.prompts.position if self.prompts is not None else None,
+                "finished": self._finished(),
+            }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Contents, counters and data position as plain JSON-able data."""
+        with self._cond:
+            ordered = sorted(self._heap, key=lambda item: item[:2])
+            return {
+                "format": STATE_FORMAT,
+                "groups": [g.to_dict() for _, _, g in ordered],
+                "in_flight": [[i, p] for i, p in self._in_flight.items()],
+                "retry": [[i, p] for i, p in self._retry],
+                "requeues": [[i, n] for i, n in self._requeues.items()],
+                "counters": dict(self._counters),
+                "dropped": dict(self._dropped),
+                "drop_log": list(self._drop_log),
+                "trainer_version": self.trainer_version,
+                "prompts": self.prompts.state_dict() if self.prompts is not None else None,
+            }
+
+    def load_state_dict(self, state: dict[str, Any], requeue_in_flight: bool = True) -> None:
+        """Restore a `state_dict`. Prompts that were in flight are requeued (their engines died with the run)
+        unless `requeue_in_flight` is False (the same engines are still generating them)."""
+        if state.get("format") != STATE_FORMAT:
+            raise RolloutBufferError(f"load_state_dict: format {state.get('format')!r}, this code reads {STATE_FORMAT}")
+        with self._cond:
+            self._heap = []
+            for arrival, data in enumerate(state["groups"]):
+                group = Group.from_dict(data)
+                self._heap.append((_order_version(group), arrival, group))
+            heapq.heapify(self._heap)
+            self._arrivals = len(self._heap)
+            self._in_flight = {int(i): p for i, p in state["in_flight"]}
+            self._retry = collections.deque((int(i), p) for i, p in state["retry"])
+            self._requeues = {int(i): int(n) for i, n in state["requeues"]}
+            self._counters = collections.Counter(state["counters"])
+            self._dropped = collections.Counter(state["dropped"])
+            self._drop_log = collections.deque(state.get("drop_log", []), maxlen=DROP_LOG_SIZE)
+            self.trainer_version = int(state["trainer_version"])
+            if state.get("prompts") is not None:
+                if self.prompts is None:
+                    raise RolloutBufferError(
+                        "load_state_dict: the state has a data position but this buffer no prompt stream"
+                    )
+                self.prompts.load_state_dict(state["prompts"])
+            if requeue_in_flight:
+                self._retry.extend(sorted(self._in_flight.items()))
+                self._counters["produced"] -= len(self._in_flight)
+                self._in_flight = {}
+            self._cond.notify_all()
+
+
+def _order_version(group: Group) -> int:
+    """Sort key of a group: its oldest token version (a group without tokens never reaches the heap)."""
+    oldest = group.min_version()
+    return 0 if oldest is None else oldest
+
+
+def make_buffer_actor(*args: Any, name: str | None = None, max_concurrency: int = 64, **kwargs: Any):
+    """Start a `RolloutBuffer` as a threaded Ray actor (arguments as for `RolloutBuffer`); returns its handle.
+
+    Ray runs up to `max_concurrency` calls at once on a thread pool; the buffer's lock makes each atomic.
+    `claim_prompts`/`get_batch` block a thread while they wait, so keep fewer waiting callers than threads.
+    """
+    import ray
+
+    options: dict[str, Any] = {"max_concurrency": max_concurrency, "num_cpus": 0}
+    if name:
+        options["name"] = name
+    return ray.remote(RolloutBuffer).options(**options).remote(*args, **kwargs)

@@ -1,0 +1,121 @@
+"""The batch one RL optimizer step trains on: token sequences, the response mask and per-token old logprobs.
+
+Alignment: `tokens` is `[B, S]` (prompt + response, right-padded); every per-token tensor is `[B, S-1]` and its
+position `t` belongs to the prediction of `tokens[:, t + 1]` (the logprob Megatron computes at position `t`).
+So the response token at index `j` of `tokens` is position `j - 1` of `loss_mask`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+_PER_TOKEN = ("loss_mask", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs")
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """One step's sequences, with the per-token inputs of the policy loss."""
+
+    tokens: Tensor
+    """`[B, S]` int64 token ids (prompt + response, right-padded; pad value irrelevant under the mask)."""
+    loss_mask: Tensor
+    """`[B, S-1]` 1 (or True) where position t predicts a response token `tokens[:, t+1]`, 0 elsewhere."""
+    advantages: Tensor
+    """`[B]` one advantage per sequence, or `[B, S-1]` per token."""
+    behaviour_logprobs: Tensor
+    """`[B, S-1]` logprobs of the sampled tokens under the inference engine's policy (0 outside the mask)."""
+    proximal_logprobs: Tensor | None = None
+    """`[B, S-1]` logprobs under the weights the step starts from (decoupled PPO); see `train_step`."""
+    ref_logprobs: Tensor | None = None
+    """`[B, S-1]` logprobs under the reference policy (KL penalty only)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Number of sequences."""
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        """Padded sequence length S of `tokens`."""
+        return int(self.tokens.shape[1])
+
+    def validate(self, tp: int = 1) -> None:
+        """Raise ValueError naming the field whose shape does not fit, or when S is not a multiple of `tp`."""
+        if self.tokens.dim() != 2:
+            raise ValueError(f"tokens: expected [batch, seq], got shape {tuple(self.tokens.shape)}")
+        b, s = self.tokens.shape
+        if s < 2:
+            raise ValueError(f"tokens: sequence length {s} leaves nothing to predict")
+        if s % tp:
+            raise ValueError(
+                f"tokens: sequence length {s} is not a multiple of tensor parallel size {tp} (pad it with "
+                "pad_to_multiple)"
+            )
+        for name in _PER_TOKEN:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (b, s - 1):
+                raise ValueError(f"{name}: expected shape {(b, s - 1)}, got {tuple(value.shape)}")
+        if tuple(self.advantages.shape) not in ((b,), (b, s - 1)):
+            raise ValueError(f"advantages: expected shape {(b,)} or {(b, s - 1)}, got {tuple(self.advantages.shape)}")
+
+    def select(self, rows: slice | Tensor) -> TrainBatch:
+        """The sequences at `rows` (a slice or index tensor), every field cut alike."""
+        return TrainBatch(**{f.name: _take(getattr(self, f.name), rows) for f in dataclasses.fields(self)})
+
+    def split(self, micro_batch_size: int) -> list[TrainBatch]:
+        """Consecutive micro-batches of `micro_batch_size` sequences (the batch size must be a multiple)."""
+        if micro_batch_size < 1 or self.batch_size % micro_batch_size:
+            raise ValueError(f"batch of {self.batch_size} is not divisible by micro_batch_size {micro_batch_size}")
+        return [self.select(slice(i, i + micro_batch_size)) for i in range(0, self.batch_size, micro_batch_size)]
+
+    def replace(self, **changes) -> TrainBatch:
+        """A copy with some fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """Every tensor moved to `device`."""
+        return TrainBatch(**{f.name: _move(getattr(self, f.name), device) for f in dataclasses.fields(self)})
+
+
+def _take(value: Tensor | None, rows: slice | Tensor) -> Tensor | None:
+    return None if value is None else value[rows]
+
+
+def _move(value: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if value is None else value.to(device)
+
+
+def data_parallel_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
+    """The contiguous share of a global batch that data-parallel rank `dp_rank` trains on.
+
+    Every rank of one data-parallel replica (its TP, PP, EP peers) must train on the same share.
+    """
+    if batch.batch_size % dp_size:
+        raise ValueError(f"global batch of {batch.batch_size} is not divisible by data parallel size {dp_size}")
+    per = batch.batch_size // dp_size
+    return batch.select(slice(dp_rank * per, (dp_rank + 1) * per))
+
+
+def pad_to_multiple(batch: TrainBatch, multiple: int, pad_id: int = 0) -> TrainBatch:
+    """Right-pad the sequence dimension to a multiple of `multiple` (TP size for sequence parallelism).
+
+    Padded tokens are `pad_id`; padded per-token positions are 0 (outside the mask, so they never count).
+    """
+    s = batch.seq_len
+    extra = (-s) % multiple
+    if extra == 0:
+        return batch
+
+    def pad(value: Tensor | None, fill) -> Tensor | None:
+        if value is None or value.dim() < 2:
+            return value
+        return torch.nn.functional.pad(value, (0, extra), value=fill)
+
+    changes = {"tokens": pad(batch.tokens, pad_id)}
+    for name in (*_PER_TOKEN, "advantages"):
+        value = getattr(batch, name)
+        changes[name] = pad(value, False if value is not None and value.dtype == torch.bool else 0)
+    return batch.replace(**changes)

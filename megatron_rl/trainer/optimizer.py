@@ -1,0 +1,222 @@
+"""Megatron's data-parallel wrapper, optimizer (Adam, optionally the DistributedOptimizer) and LR schedule.
+
+`build_training(model, cfg, total_steps)` is the one call a trainer rank makes after building its GPTModel: it
+wraps the model in Megatron's `DistributedDataParallel` (contiguous fp32 gradient buffers, no overlap: CPU and
+gloo gain nothing from it), builds the optimizer with `get_megatron_optimizer` (a `ChainedOptimizer` of a dense and
+an expert optimizer for MoE models) and an `OptimizerParamScheduler` for the learning rate.
+
+Wiring Megatron expects (as its own `training.py` does): the model's TransformerConfig carries
+`finalize_model_grads_func` (the data-parallel gradient reduction, sequence-parallel norm all-reduce and tied
+embedding all-reduce run at the end of every forward-backward), `no_sync_func` and `grad_scale_func` (the loss
+scale of fp16 training; 1 otherwise). These live on the config object because Megatron's schedules read them
+there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_rl.config.schema import OptimizerConfig
+
+_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """The wrapped model, its optimizer and LR scheduler on one trainer rank."""
+
+    model: object
+    """Megatron `DistributedDataParallel` around this rank's GPTModel (call it like the model)."""
+    optimizer: object
+    """Megatron optimizer (`ChainedOptimizer`, `DistributedOptimizer` or `FP32Optimizer`...)."""
+    scheduler: object
+    """Megatron `OptimizerParamScheduler`: `step(1)` after every successful update."""
+
+
+def unwrap_model(model):
+    """The GPTModel inside a (possibly DDP-wrapped) model."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def complete_tensor_parallel_attributes(model) -> int:
+    """Mark TP-sharded weights as such where Megatron did not; returns how many were marked.
+
+    Megatron sets `tensor_model_parallel`/`partition_dim` on the weights of its parallel linear and embedding
+    layers only inside its weight initialisers, which it skips when `perform_initialization=False` (models built
+    to be overwritten by a checkpoint, `BuildOptions(init_weights=False)`). Without the marks the gradient norm
+    counts each sharded weight on TP rank 0 only (`param_is_not_tensor_parallel_duplicate`): the TP2 grad norm
+    came out 28% low on a tiny Qwen3-MoE (megatron-core 0.16.1). Here the marks are set as the initialisers
+    would: dim 0 for column-parallel and embedding weights, dim 1 for row-parallel weights.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    marked = 0
+    for module in unwrap_model(model).modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        weight.tensor_model_parallel = True
+        weight.partition_dim = dim
+        if not hasattr(weight, "partition_stride"):
+            weight.partition_stride = 1
+        marked += 1
+    return marked
+
+
+def mark_replicated_experts(model) -> int:
+    """With EP = 1 and ETP != TP, put expert weights in DDP's expert buckets; returns how many were marked.
+
+    Megatron files expert weights under the dense data-parallel reduction (`allreduce=True`) whenever
+    `expert_model_parallel_size == 1`. That is right only when experts are sharded like the dense layers
+    (ETP == TP). With ETP < TP the TP ranks hold the same expert weights but route different tokens (their
+    sequence shards) through them, so the expert gradients must be summed over the expert data-parallel group,
+    which includes those TP peers; the dense group does not, and the ranks' expert weights drift apart after the
+    first step (megatron-core 0.16.1, TP2 x EP1 x ETP1). Marking them `allreduce=False`, as EP > 1 does, makes
+    DDP and the optimizer use the expert groups.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    inner = unwrap_model(model)
+    config = inner.config
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.expert_model_parallel_size != 1 or etp == config.tensor_model_parallel_size:
+        return 0
+    marked = 0
+    for module in inner.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
+                marked += 1
+    return marked
+
+
+def wrap_ddp(model, use_distributed_optimizer: bool, check_for_nan: bool = False):
+    """Wrap a GPTModel in Megatron's DistributedDataParallel and install the gradient hooks on its config.
+
+    Gradients accumulate in fp32 buffers (`grad_reduce_in_fp32`) whatever the parameter dtype; they are reduced
+    once per step (no overlap with backward). With `use_distributed_optimizer` the reduction is a reduce-scatter
+    and each data-parallel rank updates its shard of the parameters, then all-gathers them.
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    complete_tensor_parallel_attributes(model)
+    mark_replicated_experts(model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=check_for_nan,
+    )
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    config = model.config
+    # Megatron's schedules call these through the config; without finalize_model_grads the data-parallel
+    # reduction and the sequence-parallel norm all-reduce never happen.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def megatron_optimizer_config(cfg: OptimizerConfig, model_config):
+    """Megatron's OptimizerConfig for the project's optimizer settings and the model's precision."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        # Low-precision parameters keep fp32 main copies in the optimizer.
+        bf16=bool(model_config.bf16),
+        fp16=bool(model_config.fp16),
+        params_dtype=model_config.params_dtype,
+    )
+
+
+def build_optimizer(ddp_model, cfg: OptimizerConfig):
+    """Megatron's optimizer over a DDP-wrapped model; sets the model config's `grad_scale_func`."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    model_config = unwrap_model(ddp_model).config
+    optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, model_config), [ddp_model])
+    model_config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def build_scheduler(optimizer, cfg: OptimizerConfig, total_steps: int):
+    """Megatron's LR scheduler: linear warm-up from 0 over `lr_warmup_steps`, then constant, linear or cosine
+    decay to `min_lr` at `total_steps`. Weight decay is constant.
+
+    Megatron's convention: the scheduler counts completed updates, so with warm-up the first update uses lr 0.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if cfg.lr_decay_style not in _DECAY_STYLES:
+        raise ValueError(f"optimizer.lr_decay_style={cfg.lr_decay_style!r}: allowed {_DECAY_STYLES}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps}: must be at least 1")
+    # Megatron asserts warmup < decay steps; a warm-up longer than the run just never finishes.
+    decay_steps = max(total_steps, cfg.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.lr_warmup_steps > 0 else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=min(cfg.min_lr, cfg.lr),
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate the next update uses (of the default parameter group)."""
+    for group in optimizer.param_groups:
+        if group.get("default_config", True):
+            return float(group["lr"])
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def build_training(model, cfg: OptimizerConfig, total_steps: int) -> TrainingState:
+    """Wrap `model` (this rank's GPTModel) in DDP, build the optimizer and the LR scheduler."""
+    ddp = wrap_ddp(model, cfg.use_distributed_optimizer)
+    optimizer = build_optimizer(ddp, cfg)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    return TrainingState(model=ddp, optimizer=optimizer, scheduler=scheduler)
+
+
+def zero_grads(state: TrainingState) -> None:
+    """Clear the DDP gradient buffers and the optimizer's gradients before a forward-backward."""
+    state.model.zero_grad_buffer()
+    state.optimizer.zero_grad()
+
+
+def parameters_finite(model) -> bool:
+    """Whether every local parameter is finite (a cheap health check after an update)."""
+    return all(bool(torch.isfinite(p).all()) for p in unwrap_model(model).parameters())

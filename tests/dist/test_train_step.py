@@ -1,0 +1,231 @@
+"""The RL train step (Megatron DDP + optimizer + 1F1B schedule) on gloo processes, against an unsharded run.
+
+Every case of a world size runs in one torchrun launch (model-parallel groups rebuilt between cases); the tests
+then compare the reports. Tiny fp32 checkpoints, MoE aux loss off. Each case takes two optimizer steps on fixed
+batches (behaviour logprobs = transformers' logprobs plus noise, so IS weights and clipping are exercised) and
+records the logprobs of a fixed token batch before and after every step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.parallel.torchrun import run_torchrun
+
+WORKER = "megatron_rl.tools.train_step_worker"
+BATCH, SEQ, VOCAB = 8, 32, 512
+LOSS_TOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
+LOGPROB_TOL = 1e-4
+
+DECOUPLED = {"loss": "decoupled_ppo", "correction": "tis", "is_cap": 2.0, "kl_coef": 0.1, "loss_agg": "token_mean"}
+PPO_SEQ = {"loss": "ppo", "loss_agg": "seq_mean", "clip_low": 0.2, "clip_high": 0.28}
+# Linear decay over 4 steps: the second step's lr (0.75e-3) shows the scheduler state survives a resume.
+OPTIM = {"lr": 1e-3, "lr_decay_style": "linear", "clip_grad": 1.0, "weight_decay": 0.01}
+
+LAYOUTS = {
+    "tp2": {"tp": 2},
+    "ep2": {"ep": 2},
+    "pp2": {"pp": 2},
+    "tp2xep2": {"tp": 2, "ep": 2, "etp": 1},
+}
+
+
+def make_batch(hf_dir: str, seed: int, noise: float = 0.3, positive: bool = False) -> dict:
+    """A right-padded batch of random prompts + responses with per-token old logprobs from transformers.
+
+    The last sequence has an empty response (it must count for nothing); advantages are random (or all +1).
+    """
+    from megatron_rl.tools.parity import hf_logprobs
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+    mask = torch.zeros(BATCH, SEQ - 1)
+    for i in range(BATCH):
+        prompt = int(torch.randint(4, 12, (1,), generator=gen))
+        response = 0 if i == BATCH - 1 else int(torch.randint(4, SEQ - prompt + 1, (1,), generator=gen))
+        tokens[i, prompt + response :] = 0
+        mask[i, prompt - 1 : prompt - 1 + response] = 1
+    logprobs = hf_logprobs(hf_dir, tokens)
+    behaviour = (logprobs + noise * torch.randn(logprobs.shape, generator=gen)) * mask
+    ref = (logprobs + 0.2 * torch.randn(logprobs.shape, generator=gen)) * mask
+    advantages = torch.ones(BATCH) if positive else torch.randn(BATCH, generator=gen)
+    return {
+        "tokens": tokens,
+        "loss_mask": mask,
+        "advantages": advantages,
+        "behaviour_logprobs": behaviour,
+        "ref_logprobs": ref,
+    }
+
+
+def _case(name, root: Path, hf, layout, batches, eval_tokens, algo=DECOUPLED, mbs=2, **extra) -> dict:
+    return {
+        "name": name,
+        "hf": hf,
+        "layout": layout,
+        "algo": algo,
+        "optimizer": OPTIM,
+        "micro_batch_size": mbs,
+        "total_steps": 4,
+        "moe_aux_loss_coeff": 0.0,
+        "batches": batches,
+        "eval_tokens": eval_tokens,
+        "out": str(root / f"{name}.pt"),
+        **extra,
+    }
+
+
+def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
+    """Write the batches and return the cases of each world size."""
+    moe, dense = tiny_dir("qwen3_moe"), tiny_dir("qwen3")
+    files = {}
+    for key, hf, seed, kwargs in (
+        ("moe0", moe, 0, {}),
+        ("moe1", moe, 1, {}),
+        ("dense0", dense, 2, {}),
+        ("dense1", dense, 3, {}),
+        ("learn", moe, 4, {"noise": 0.0, "positive": True}),
+    ):
+        files[key] = str(root / f"{key}.pt")
+        torch.save(make_batch(hf, seed, **kwargs), files[key])
+    eval_path = str(root / "eval.pt")
+    torch.save(torch.randint(3, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(9)), eval_path)
+    learn_tokens = str(root / "learn_tokens.pt")
+    torch.save(torch.load(files["learn"])["tokens"], learn_tokens)
+    moe_batches, dense_batches = [files["moe0"], files["moe1"]], [files["dense0"], files["dense1"]]
+    ckpt = str(root / "ckpt-ep2")
+
+    def moe_case(name, layout, **kw):
+        return _case(name, root, moe, layout, moe_batches, eval_path, **kw)
+
+    def dense_case(name, layout, **kw):
+        return _case(name, root, dense, layout, dense_batches, eval_path, **kw)
+
+    world1 = [
+        moe_case("moe-1x1x1", {}, mbs=4),
+        moe_case("moe-1x1x1-mbs1", {}, mbs=1),
+        moe_case("moe-ppo-1x1x1", {}, algo=PPO_SEQ),
+        dense_case("dense-1x1x1", {}),
+        _case("learn", root, moe, {}, [files["learn"]] * 4, learn_tokens, mbs=4, total_steps=4),
+    ]
+    world2 = [moe_case(f"moe-{name}", layout) for name, layout in LAYOUTS.items() if name != "ep2"]
+    world2 += [
+        # Uninterrupted run at EP2 (two data-parallel ranks: the DistributedOptimizer shards its state), saved
+        # after the first step; then the second step resumed from that checkpoint, at EP2 and at TP2.
+        moe_case("moe-ep2", LAYOUTS["ep2"], save_dir=ckpt, save_after=1),
+        moe_case("moe-ppo-ep2", LAYOUTS["ep2"], algo=PPO_SEQ),
+        dense_case("dense-tp2", {"tp": 2}),
+        dense_case("dense-pp2", {"pp": 2}),
+        _case("resume-ep2", root, moe, LAYOUTS["ep2"], moe_batches[1:], eval_path, load_dir=ckpt),
+        _case("resume-tp2", root, moe, {"tp": 2}, moe_batches[1:], eval_path, load_dir=ckpt),
+    ]
+    return {1: world1, 2: world2}
+
+
+@pytest.fixture(scope="module")
+def reports(tiny_dir, tmp_path_factory):
+    """Run every case (one launch per world size); name -> {"steps": [...], "evals": [...]}."""
+    root = tmp_path_factory.mktemp("train-step")
+    cases = build_cases(root, tiny_dir)
+    for world, world_cases in sorted(cases.items()):
+        spec = root / f"spec{world}.json"
+        spec.write_text(json.dumps({"cases": world_cases}))
+        run_torchrun(WORKER, [str(spec)], world, timeout_s=120 * len(world_cases), log_path=root / f"log{world}.txt")
+    out = {}
+    for case in (c for world_cases in cases.values() for c in world_cases):
+        out[case["name"]] = torch.load(case["out"])
+        out[case["name"]]["loss_mask"] = torch.load(case["batches"][0])["loss_mask"]
+    return out
+
+
+def _max_eval_diff(a: dict, b: dict, index: int) -> float:
+    return float((a["evals"][index] - b["evals"][index]).abs().max())
+
+
+def _check_match(ref: dict, got: dict) -> None:
+    """Same loss, grad norm and stats at every step; same logprobs before and after each step."""
+    for i, (want, have) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
+        assert abs(want["loss"] - have["loss"]) <= LOSS_TOL, (i, want["loss"], have["loss"])
+        assert abs(want["grad_norm"] - have["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (i, want, have)
+        assert want["lr"] == pytest.approx(have["lr"], rel=1e-12)
+        for key in ("ppo/clip_frac", "is/weight_mean", "mismatch/abs_diff_mean", "batch/response_tokens"):
+            if key in want:
+                assert abs(want[key] - have[key]) <= 1e-4, (i, key, want[key], have[key])
+    for i in range(len(ref["evals"])):
+        assert _max_eval_diff(ref, got, i) <= LOGPROB_TOL, (i, _max_eval_diff(ref, got, i))
+    # The update is far larger than the tolerance, so agreement after it is not trivial.
+    assert float((ref["evals"][1] - ref["evals"][0]).abs().max()) > 100 * LOGPROB_TOL
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_layouts_match_unsharded(reports, layout):
+    _check_match(reports["moe-1x1x1"], reports[f"moe-{layout}"])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_dense_layouts_match_unsharded(reports, layout):
+    """Qwen3 dense with tied embeddings: PP2 exercises the embedding gradient all-reduce between stages."""
+    _check_match(reports["dense-1x1x1"], reports[f"dense-{layout}"])
+
+
+def test_ppo_seq_mean_matches_unsharded(reports):
+    """PPO clipped against the behaviour policy, seq_mean over two data-parallel ranks (global sequence count)."""
+    ref = reports["moe-ppo-1x1x1"]
+    _check_match(ref, reports["moe-ppo-ep2"])
+    assert ref["steps"][0]["ppo/clip_frac"] > 0.05  # the clip is active on some tokens
+
+
+def test_micro_batch_size_invariance(reports):
+    """micro_batch_size 1 (8 micro-batches) and 4 (2 micro-batches) give the same step."""
+    _check_match(reports["moe-1x1x1"], reports["moe-1x1x1-mbs1"])
+
+
+def test_stats_are_sane(reports):
+    step = reports["moe-1x1x1"]["steps"][0]
+    assert step["update_successful"] == 1.0
+    assert step["batch/sequences"] == BATCH
+    assert step["lr"] == pytest.approx(1e-3)
+    assert reports["moe-1x1x1"]["steps"][1]["lr"] == pytest.approx(0.75e-3)
+    # The whole-batch loss the stats owner recomputes equals the sum of the micro-batch shares.
+    assert step["loss/total"] == pytest.approx(step["loss"], abs=1e-6)
+    # Proximal == current at the first step of a batch: the PPO ratio is exactly 1, the IS weights are not.
+    assert step["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert 0 < step["is/truncated_frac"] < 0.5
+    assert 0.05 < step["mismatch/abs_diff_mean"] < 0.5  # the behaviour noise (0.3) shows up
+    assert step["kl/penalty"] > 0
+
+
+def test_learning_increases_logprob_of_rewarded_responses(reports):
+    """Repeated steps on one batch with positive advantages raise the mean logprob of its responses."""
+    report = reports["learn"]
+    mask = report["loss_mask"].bool()
+    means = [float(e[mask].mean()) for e in report["evals"]]
+    assert all(b > a for a, b in zip(means, means[1:])), means
+    assert means[-1] - means[0] > 0.5, means
+    # The step's own stat (mean logprob at the start of each step) tells the same story.
+    starts = [s["batch/mean_logprob"] for s in report["steps"]]
+    assert starts[0] == pytest.approx(means[0], abs=1e-4)
+    assert all(b > a for a, b in zip(starts, starts[1:])), starts
+
+
+def test_resume_from_checkpoint_is_exact(reports):
+    """Save model + DistributedOptimizer + scheduler after step 1 at EP2, load at EP2, take step 2: identical."""
+    full, resumed = reports["moe-ep2"], reports["resume-ep2"]
+    assert resumed["steps"][0]["loss"] == full["steps"][1]["loss"]
+    assert resumed["steps"][0]["grad_norm"] == full["steps"][1]["grad_norm"]
+    assert resumed["steps"][0]["lr"] == full["steps"][1]["lr"]
+    assert torch.equal(resumed["evals"][0], full["evals"][1])
+    assert torch.equal(resumed["evals"][1], full["evals"][2])
+
+
+def test_resume_at_another_layout(reports):
+    """The same checkpoint (optimizer state in fully_sharded_model_space format) resumed at TP2."""
+    full, resumed = reports["moe-ep2"], reports["resume-tp2"]
+    assert abs(resumed["steps"][0]["loss"] - full["steps"][1]["loss"]) <= LOSS_TOL
+    assert resumed["steps"][0]["grad_norm"] == pytest.approx(full["steps"][1]["grad_norm"], rel=GRAD_NORM_RTOL)
+    assert float((resumed["evals"][1] - full["evals"][2]).abs().max()) <= LOGPROB_TOL

@@ -1,0 +1,67 @@
+"""Weight-transfer groups between real processes: buckets arrive intact; a member that never joins is named."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from megatron_rl.weights.buckets import pack, unpack
+from megatron_rl.weights.plan import TensorSpec, plan_buckets
+from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, free_port
+
+TENSORS = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16), "c": torch.arange(7)}
+
+
+def _plan():
+    specs = [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), 0, False) for n, t in TENSORS.items()]
+    return plan_buckets(specs, 64)
+
+
+def _member(spec: GroupSpec, rank: int, queue) -> None:
+    try:
+        group = WeightGroup(spec, rank, timeout_s=30).connect()
+        received = {}
+        for bucket in _plan():
+            buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+            if rank == 0:
+                buffer = pack(buffer, bucket, TENSORS, version=5)
+            group.broadcast(buffer, src=0).wait()
+            received.update({n: t.clone() for n, t in unpack(buffer, bucket, version=5)})
+        queue.put((rank, all(torch.equal(received[n], TENSORS[n]) for n in TENSORS)))
+    except Exception as err:  # report to the test process
+        queue.put((rank, f"{type(err).__name__}: {err}"))
+
+
+def test_three_member_group_receives_every_bucket():
+    spec = GroupSpec(0, "127.0.0.1", free_port(), ("trainer-rank0", "engine-0/worker0", "engine-1/worker0"))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(spec, r, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert results == {0: True, 1: True, 2: True}
+    assert len(_plan()) == 3
+
+
+def test_member_that_never_joins_is_named_within_the_timeout():
+    spec = GroupSpec(0, "127.0.0.1", free_port(), ("trainer-rank0", "engine-0/worker0", "engine-7/worker0"))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()  # keep a reference: a collected queue breaks the child's start-up
+    joiner = ctx.Process(target=_member, args=(spec, 1, queue))
+    joiner.start()
+    group = WeightGroup(spec, 0, timeout_s=5)
+    deadline = time.monotonic() + 120
+    while group.missing_members() != ["trainer-rank0", "engine-7/worker0"] and time.monotonic() < deadline:
+        time.sleep(0.2)  # wait until the spawned joiner has announced itself
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="missing: engine-7/worker0 "):
+        group.connect()
+    assert time.monotonic() - start < 30
+    joiner.kill()
+    joiner.join()

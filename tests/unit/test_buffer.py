@@ -1,0 +1,397 @@
+"""The rollout buffer as a plain class: accounting after every operation, staleness, capacity, requeue,
+checkpoints and errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+
+from megatron_rl.config.schema import BufferConfig
+from megatron_rl.rollout.buffer import AccountingError, RolloutBuffer, RolloutBufferError
+from megatron_rl.rollout.tasks import PromptStream, Task
+from megatron_rl.rollout.types import Group, Sample
+
+
+class ListTask(Task):
+    """`count` prompts numbered 0..count-1 (endless when count is None); reward unused."""
+
+    name = "list"
+
+    def __init__(self, count: int | None = None):
+        super().__init__()
+        self.count = count
+
+    def prompts(self, epoch=0, start=0):
+        index = start
+        while self.count is None or index < self.count:
+            yield {"prompt": f"p{epoch}.{index}", "prompt_ids": [3, index % 500], "answer": index}
+            index += 1
+
+    def reward(self, response, answer, sample=None):
+        return 0.0
+
+
+def make_buffer(count: int | None = None, epochs: int | None = None, **kwargs) -> RolloutBuffer:
+    return RolloutBuffer(prompts=PromptStream(ListTask(count), epochs=epochs), **kwargs)
+
+
+def make_group(index: int, version: int = 0, size: int = 2, reward: float = 1.0, tokens: int = 3) -> Group:
+    samples = [
+        Sample(
+            prompt_ids=[3, 4],
+            response_ids=[5] * tokens,
+            logprobs=[-0.5] * tokens,
+            versions=[version] * tokens,
+            reward=reward,
+            prompt_index=index,
+            engine="e0",
+        )
+        for _ in range(size)
+    ]
+    return Group(index, samples)
+
+
+def fill(buffer: RolloutBuffer, n: int, version: int = 0) -> list[int]:
+    """Claim n prompts and deliver a group for each; returns their indices."""
+    indices = [i for i, _ in buffer.claim_prompts(n)]
+    for i in indices:
+        assert buffer.put_group(make_group(i, version))
+    buffer.check_accounting()
+    return indices
+
+
+def test_claim_put_get_round_trip():
+    buffer = make_buffer(capacity=8)
+    claimed = buffer.claim_prompts(3)
+    assert [i for i, _ in claimed] == [0, 1, 2]
+    assert claimed[1][1]["prompt"] == "p0.1"
+    assert buffer.check_accounting() == {
+        "drawn": 3,
+        "produced": 3,
+        "in_flight": 3,
+        "buffered": 0,
+        "consumed": 0,
+        "dropped": 0,
+        "retry_pending": 0,
+    }
+    for i, _ in claimed:
+        assert buffer.put_group(make_group(i))
+    batch = buffer.get_batch(2, current_version=0)
+    assert [g.prompt_index for g in batch] == [0, 1]
+    assert batch[0].metadata["prompt"]["answer"] == 0
+    counts = buffer.check_accounting()
+    assert (counts["consumed"], counts["buffered"], counts["in_flight"]) == (2, 1, 0)
+
+
+def test_oldest_first_by_token_version():
+    buffer = make_buffer(capacity=8)
+    indices = [i for i, _ in buffer.claim_prompts(3)]
+    for i, version in zip(indices, (2, 0, 1)):
+        buffer.put_group(make_group(i, version))
+    assert [g.min_version() for g in buffer.get_batch(3, current_version=2)] == [0, 1, 2]
+
+
+def test_partial_rollout_is_as_old_as_its_oldest_token():
+    group = make_group(0, version=5)
+    group.samples[1].versions = [3, 4, 5]
+    assert (group.min_version(), group.max_version(), group.staleness(7)) == (3, 5, 4)
+
+
+@pytest.mark.parametrize("policy", ["drop", "correct"])
+def test_staleness_policy(policy):
+    buffer = make_buffer(capacity=8, max_staleness=1, stale_policy=policy)
+    fill(buffer, 1, version=0)
+    fill(buffer, 1, version=1)
+    fill(buffer, 1, version=2)
+    batch = buffer.get_batch(2, current_version=2)
+    counts = buffer.check_accounting()
+    if policy == "drop":
+        # version 0 is 2 behind: dropped at hand-out time, the next two fill the batch
+        assert [g.min_version() for g in batch] == [1, 2]
+        assert not any(g.stale for g in batch)
+        assert buffer.stats()["dropped_by_reason"] == {"stale": 1}
+        assert counts["dropped"] == 1 and counts["buffered"] == 0
+    else:
+        assert [g.min_version() for g in batch] == [0, 1]
+        assert [g.stale for g in batch] == [True, False]
+        assert buffer.stats()["corrected"] == 1
+        assert counts["dropped"] == 0 and counts["buffered"] == 1
+
+
+def test_stale_group_is_dropped_on_arrival_once_the_trainer_moved_on():
+    buffer = make_buffer(capacity=4, max_staleness=1)
+    (index, _), (late, _) = buffer.claim_prompts(2)
+    buffer.put_group(make_group(index, version=5))
+    buffer.set_trainer_version(5)
+    assert buffer.put_group(make_group(late, version=3)) is False
+    assert buffer.stats()["recent_drops"][-1]["prompt_index"] == late
+    assert "2 behind trainer version 5" in buffer.stats()["recent_drops"][-1]["detail"]
+    buffer.set_trainer_version(7)  # now the first one is stale too, and its slot frees up for generation
+    assert buffer.check_accounting()["buffered"] == 0
+    assert buffer.stats()["free_slots"] == 4
+
+
+def test_capacity_counts_in_flight_and_buffered():
+    buffer = make_buffer(capacity=4)
+    assert len(buffer.claim_prompts(3)) == 3
+    assert len(buffer.claim_prompts(3)) == 1  # one slot left
+    assert buffer.claim_prompts(1) == []
+    for i in range(4):
+        buffer.put_group(make_group(i))
+    assert buffer.claim_prompts(1) == []  # full of buffered groups now
+    buffer.get_batch(2, current_version=0)
+    assert len(buffer.claim_prompts(5)) == 2
+    buffer.check_accounting()
+
+
+def test_claim_waits_for_a_slot():
+    buffer = make_buffer(capacity=2)
+    fill(buffer, 2)
+    consumer = threading.Timer(0.2, lambda: buffer.get_batch(1, current_version=0))
+    consumer.start()
+    start = time.monotonic()
+    claimed = buffer.claim_prompts(2, timeout_s=5.0)
+    assert len(claimed) == 1 and 0.1 < time.monotonic() - start < 4.0
+    consumer.join()
+    buffer.check_accounting()
+
+
+def test_claim_wakes_when_stale_groups_are_evicted():
+    buffer = make_buffer(capacity=2, max_staleness=0)
+    fill(buffer, 2, version=0)
+    threading.Timer(0.1, lambda: buffer.set_trainer_version(1)).start()
+    assert len(buffer.claim_prompts(2, timeout_s=10.0)) == 2
+    assert buffer.check_accounting()["dropped"] == 2
+
+
+def test_get_batch_waits_then_times_out_without_consuming():
+    buffer = make_buffer(capacity=4)
+    fill(buffer, 1)
+    start = time.monotonic()
+    assert buffer.get_batch(2, current_version=0, timeout_s=0.2) == []
+    assert time.monotonic() - start >= 0.19
+    assert buffer.check_accounting()["buffered"] == 1
+
+
+def test_get_batch_wakes_when_a_group_arrives():
+    buffer = make_buffer(capacity=4)
+    (index, _), (other, _) = buffer.claim_prompts(2)
+    buffer.put_group(make_group(index))
+    threading.Timer(0.1, lambda: buffer.put_group(make_group(other))).start()
+    batch = buffer.get_batch(2, current_version=0, timeout_s=10.0)
+    assert sorted(g.prompt_index for g in batch) == [index, other]
+
+
+def test_requeue_generates_again_and_counts_once():
+    buffer = make_buffer(capacity=4, max_requeues=1)
+    (first, prompt), (second, _) = buffer.claim_prompts(2)
+    assert buffer.requeue(first, "engine e0 died")
+    counts = buffer.check_accounting()
+    assert (counts["produced"], counts["in_flight"], counts["retry_pending"]) == (1, 1, 1)
+    again = buffer.claim_prompts(2)
+    assert again[0] == (first, prompt)  # the requeued prompt comes first, same record
+    assert again[1][0] == 2
+    assert buffer.check_accounting()["produced"] == 3
+    # the second requeue of the same prompt exceeds max_requeues=1: dropped and counted
+    assert buffer.requeue(first, "engine e1 died") is False
+    stats = buffer.stats()
+    assert stats["dropped_by_reason"] == {"requeue_limit": 1}
+    assert "e1 died" in stats["recent_drops"][-1]["detail"]
+    buffer.put_group(make_group(second))
+    buffer.check_accounting()
+
+
+def test_invalid_groups_are_dropped_and_counted():
+    buffer = make_buffer(capacity=8)
+    a, b, c = (i for i, _ in buffer.claim_prompts(3))
+    bad = make_group(a, reward=float("nan"))
+    bad.samples[0].metadata["reward_error"] = "reward 'x' raised ZeroDivisionError"
+    assert buffer.put_group(bad) is False
+    assert buffer.put_group(make_group(b, reward=float("inf"))) is False
+    assert buffer.put_group(make_group(c, tokens=0)) is False
+    stats = buffer.stats()
+    assert stats["dropped_by_reason"] == {"bad_reward": 2, "invalid": 1}
+    assert stats["recent_drops"][0]["prompt_index"] == a
+    assert "ZeroDivisionError" in stats["recent_drops"][0]["detail"]
+    buffer.check_accounting()
+
+
+def test_errors_name_the_problem():
+    buffer = make_buffer(count=3, capacity=4)
+    with pytest.raises(RolloutBufferError, match="prompt 0 is not in flight .*never handed out"):
+        buffer.put_group(make_group(0))
+    (index, _), (other, _) = buffer.claim_prompts(2)
+    buffer.put_group(make_group(index))
+    with pytest.raises(RolloutBufferError, match="already buffered"):
+        buffer.put_group(make_group(index))
+    buffer.get_batch(1, current_version=0)
+    with pytest.raises(RolloutBufferError, match="already consumed or dropped"):
+        buffer.put_group(make_group(index))
+    buffer.requeue(other)
+    with pytest.raises(RolloutBufferError, match="requeued"):
+        buffer.requeue(other)
+    mixed = make_group(other)
+    mixed.samples[1].prompt_index = 99
+    with pytest.raises(RolloutBufferError, match="sample 1 belongs to prompt 99"):
+        buffer.put_group(mixed)
+    with pytest.raises(RolloutBufferError, match="has no samples"):
+        buffer.put_group(Group(other, []))
+    with pytest.raises(RolloutBufferError, match="num_groups=5 must be in"):
+        buffer.get_batch(5, current_version=0)
+    with pytest.raises(RolloutBufferError, match="stale_policy='keep'"):
+        RolloutBuffer(stale_policy="keep")
+    with pytest.raises(RolloutBufferError, match="no prompt stream"):
+        RolloutBuffer().claim_prompts(1)
+    with pytest.raises(RolloutBufferError, match="format"):
+        buffer.load_state_dict({"format": 99})
+    with pytest.raises(ValueError, match="3 response tokens but 2 logprobs"):
+        Sample([1], [1, 2, 3], [0.0, 0.0], [0, 0, 0])
+    buffer.check_accounting()
+
+
+def test_check_accounting_catches_a_broken_identity():
+    buffer = make_buffer()
+    fill(buffer, 2)
+    buffer._counters["consumed"] += 1  # simulate a bookkeeping bug
+    with pytest.raises(AccountingError, match="produced 2 != consumed"):
+        buffer.check_accounting()
+
+
+def test_finite_stream_ends_with_a_partial_batch():
+    buffer = make_buffer(count=3, epochs=1, capacity=8)
+    fill(buffer, 5)  # only 3 exist
+    assert buffer.stats()["finished"] is True
+    assert buffer.get_batch(4, current_version=0, timeout_s=5.0) == []  # returns at once: nothing more can come
+    assert len(buffer.get_batch(4, current_version=0, allow_partial=True)) == 3
+    assert buffer.check_accounting() == {
+        "drawn": 3,
+        "produced": 3,
+        "in_flight": 0,
+        "buffered": 0,
+        "consumed": 3,
+        "dropped": 0,
+        "retry_pending": 0,
+    }
+
+
+def test_state_dict_round_trip_through_json():
+    buffer = make_buffer(capacity=8, max_staleness=2)
+    fill(buffer, 3, version=1)
+    buffer.get_batch(1, current_version=1)
+    requeued, in_flight, bad = (i for i, _ in buffer.claim_prompts(3))
+    buffer.requeue(requeued)
+    buffer.put_group(make_group(bad, reward=float("nan")))
+    state = json.loads(json.dumps(buffer.state_dict()))
+
+    restored = make_buffer(capacity=8, max_staleness=2)
+    restored.load_state_dict(state)
+    counts = restored.check_accounting()
+    # the prompts in flight at save time are requeued: claimed again first, then the stream continues
+    assert counts["in_flight"] == 0 and counts["retry_pending"] == 2
+    assert counts["buffered"] == 2 and counts["consumed"] == 1 and counts["dropped"] == 1
+    assert [i for i, _ in restored.claim_prompts(3)] == [requeued, in_flight, 6]
+    assert [g.to_dict() for g in restored.get_batch(2, current_version=1)] == [
+        g.to_dict() for g in buffer.get_batch(2, current_version=1)
+    ]
+    assert restored.stats()["dropped_by_reason"] == {"bad_reward": 1}
+    restored.check_accounting()
+
+
+def test_state_dict_can_keep_in_flight_prompts():
+    buffer = make_buffer(capacity=8)
+    claimed = [i for i, _ in buffer.claim_prompts(2)]
+    restored = make_buffer(capacity=8)
+    restored.load_state_dict(buffer.state_dict(), requeue_in_flight=False)
+    for i in claimed:
+        assert restored.put_group(make_group(i))
+    assert restored.check_accounting()["buffered"] == 2
+
+
+def test_from_config():
+    buffer = RolloutBuffer.from_config(BufferConfig(capacity=5, max_staleness=0, stale_policy="correct"))
+    assert (buffer.capacity, buffer.max_staleness, buffer.stale_policy) == (5, 0, "correct")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_operations_keep_the_accounting(seed):
+    """Random claims, deliveries (some invalid or old), requeues, version bumps and batches; the identity
+    holds after every step, no prompt is consumed twice, and draining accounts for every prompt once."""
+    rng = random.Random(seed)
+    policy = rng.choice(["drop", "correct"])
+    buffer = make_buffer(capacity=rng.randint(4, 12), max_staleness=rng.randint(0, 2), stale_policy=policy)
+    in_flight: list[int] = []
+    consumed: list[int] = []
+    version = 0
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.3:
+            in_flight += [i for i, _ in buffer.claim_prompts(rng.randint(1, 4))]
+        elif op < 0.6 and in_flight:
+            index = in_flight.pop(rng.randrange(len(in_flight)))
+            reward = float("nan") if rng.random() < 0.1 else rng.random()
+            buffer.put_group(make_group(index, version=max(0, version - rng.randint(0, 3)), reward=reward))
+        elif op < 0.7 and in_flight:
+            index = in_flight.pop(rng.randrange(len(in_flight)))
+            buffer.requeue(index, "engine died")  # requeued or dropped: either way no longer ours
+        elif op < 0.8:
+            version += 1
+            buffer.set_trainer_version(version)
+        else:
+            consumed += [g.prompt_index for g in buffer.get_batch(rng.randint(1, buffer.capacity), version)]
+        buffer.check_accounting()
+    assert len(consumed) == len(set(consumed))
+    for index in in_flight:
+        buffer.put_group(make_group(index, version=version))
+    # drain: every prompt ever produced is now consumed or dropped, exactly once
+    while (left := buffer.check_accounting()["buffered"]) > 0:
+        consumed += [g.prompt_index for g in buffer.get_batch(min(left, buffer.capacity), version)]
+    counts = buffer.check_accounting()
+    assert len(consumed) == len(set(consumed)) == counts["consumed"] > 0
+    assert counts["produced"] == counts["consumed"] + counts["dropped"]
+    assert counts["drawn"] == counts["produced"] + counts["retry_pending"]
+
+
+def test_concurrent_threads_keep_the_accounting():
+    """Two producer threads and one consumer thread hammer one buffer."""
+    buffer = make_buffer(count=200, epochs=1, capacity=16, max_staleness=1)
+    version = {"v": 0}
+    consumed: list[int] = []
+    errors: list[BaseException] = []
+
+    def produce(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not buffer.stats()["finished"]:
+                for index, _ in buffer.claim_prompts(rng.randint(1, 4), timeout_s=0.05):
+                    if rng.random() < 0.1:
+                        buffer.requeue(index, "flaky")
+                    else:
+                        buffer.put_group(make_group(index, version=version["v"]))
+        except BaseException as err:  # surfaced by the main thread
+            errors.append(err)
+
+    def consume() -> None:
+        try:
+            while True:
+                batch = buffer.get_batch(4, version["v"], timeout_s=0.05, allow_partial=True)
+                consumed.extend(g.prompt_index for g in batch)
+                version["v"] += 1 if batch else 0
+                if not batch and buffer.stats()["finished"]:
+                    return
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=produce, args=(s,)) for s in (1, 2)] + [threading.Thread(target=consume)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors and not any(t.is_alive() for t in threads)
+    counts = buffer.check_accounting()
+    assert counts["drawn"] == 200 and counts["in_flight"] == counts["buffered"] == counts["retry_pending"] == 0
+    assert counts["consumed"] + counts["dropped"] == 200
+    assert len(consumed) == len(set(consumed)) == counts["consumed"]
