@@ -281,7 +281,8 @@ class CountTask(_GeneratedTask):
     example `00000000`) and scores 1.0. Chance: with the shipped 512-token BPE, 29 of the 512 tokens carry an
     ASCII digit (`0`-`9`, ` 1`-` 9`, and ` 10`-` 14` with two each), so a uniformly random token adds 29/512
     digits on average and a uniformly random policy scores about 0.057. The prompt does not matter: this is the
-    quickest signal (the reward's gradient only has to raise digit logits).
+    quickest signal (the reward's gradient only has to raise digit logits). Measured with a 2-layer, hidden-128
+    torch stand-in (not the real MoE), GRPO with 8 prompts x 4 samples and Adam at 1e-3: 0.05 -> 0.9 in 6 steps.
     """
 
     name = "count"
@@ -304,7 +305,8 @@ class CopyTask(_GeneratedTask):
     digits the count of every other ASCII digit, and L = 8. A perfect response is d repeated L times (1.0). A
     uniformly random policy scores about 0.016; the best policy that ignores the prompt (always one fixed digit)
     scores 0.1 + 0.9 x 0.2 = 0.28, so a reward above 0.3 means the policy reads the prompt. The partial credit
-    makes the first step (emit digits at all) as quick as 'count'.
+    makes the first step (emit digits at all) as quick as 'count'. Harder than 'count': the same stand-in as there
+    passed 0.28 within 10 steps but hovered at 0.3-0.55 after 300, so it is a check, not the quickstart task.
     """
 
     name = "copy"
@@ -507,6 +509,10 @@ class PromptStream:
         self._it = None
         if empty or (self.epochs is not None and self.epoch >= self.epochs):
             self.exhausted = True
+
+    def __getstate__(self) -> dict:
+        # A live generator does not pickle (Ray ships the stream to the buffer actor); it restarts from offset.
+        return {**self.__dict__, "_it": None}
 
     def state_dict(self) -> dict:
         """JSON-able data position."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import random
 import re
 
@@ -268,6 +269,8 @@ def test_prompt_stream_of_a_generated_task_restores_cheaply(tokenizer):
     restored.load_state_dict(stream.state_dict())
     assert restored.next() == stream.next()
     assert restored.position == 11
+    shipped = pickle.loads(pickle.dumps(stream))  # as Ray ships it to the buffer actor, mid-stream
+    assert shipped.next() == restored.next()
 
 
 def test_make_task_loads_the_tokenizer_of_a_checkpoint_folder(tmp_path):
