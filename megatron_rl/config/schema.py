@@ -132,9 +132,12 @@ class BufferConfig(Section):
     """The rollout buffer between engines and trainer."""
 
     capacity: int = Field(256, ge=1)
-    """Most groups the buffer holds; generation waits when full."""
+    """Most groups buffered plus in flight (each claimed prompt reserves a slot); generation waits when full."""
     max_staleness: int = Field(4, ge=0)
-    """Samples older than this many weight versions are dropped (or corrected, per `stale_policy`)."""
+    """Groups whose oldest token is more than this many versions behind the trainer are dropped (or
+    corrected, per `stale_policy`)."""
+    max_requeues: int = Field(3, ge=0)
+    """How often a prompt whose engine died is generated again before it is dropped."""
     stale_policy: Literal["drop", "correct"] = "drop"
     """What happens to samples beyond `max_staleness`."""
 
@@ -176,18 +179,24 @@ class SyncConfig(Section):
 class TaskConfig(Section):
     """Prompts and reward."""
 
-    name: str = "count"
-    """Built-in task name, or `jsonl`/`parquet` for a dataset file."""
+    name: Literal["count", "copy", "jsonl", "parquet"] = "count"
+    """Built-in task (`count`, `copy`), or `jsonl`/`parquet` for a dataset file."""
     path: str = ""
     """Dataset file for `jsonl`/`parquet` tasks."""
     reward: str = ""
-    """Dotted path of a reward function `fn(prompt, response, sample) -> float` (empty: the task's own)."""
+    """Dotted path of a reward function `fn(response, answer, sample) -> float` (empty: the task's own)."""
     prompt_key: str = "prompt"
     """Dataset column holding the prompt."""
     answer_key: str = "answer"
     """Dataset column holding the reference answer."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Prompts longer than this are skipped and counted."""
+    seed: int = 0
+    """Seed of prompt generation and dataset shuffling."""
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the dataset (empty: endless)."""
+    length: int = Field(8, ge=1)
+    """Target response length of the built-in tasks."""
 
 
 class RunConfig(Section):

@@ -58,6 +58,7 @@ class GenerationRequest:
     top_p: float = 1.0
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
 
 
 @dataclasses.dataclass
@@ -145,6 +146,7 @@ class VLLMEngine:
             top_p=req.top_p,
             logprobs=0,
             stop_token_ids=req.stop_token_ids or None,
+            ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
@@ -283,6 +285,10 @@ class VLLMEngine:
                 "workers": results,
             }
 
+    async def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int, timeout_s: float = 300.0) -> list:
+        """Benchmark baseline: every worker receives `nbytes` from a sender's group and discards them."""
+        return await self.collective_rpc("mrl_receive_raw", args=(sender, nbytes, chunk_bytes), timeout=timeout_s)
+
     async def health(self) -> dict:
         """Whether vLLM is alive, its weight version and whether its weights are consistent."""
         llm = self._require()
@@ -299,6 +305,10 @@ class VLLMEngine:
             "pid": os.getpid(),
             **self.stats,
         }
+
+    def running_requests(self) -> int:
+        """Requests being generated right now."""
+        return len(self._running)
 
     def weight_version(self) -> int:
         """The version of the last whole update that landed."""

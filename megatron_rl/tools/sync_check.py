@@ -27,7 +27,7 @@ def run_sync_check(
     bucket_mb: float = 64,
     inflight: str = "keep",
     inflight_requests: int = 0,
-    inflight_tokens: int = 64,
+    inflight_tokens: int = 256,
     noise: float = 0.02,
     batch: int = 4,
     seq: int = 160,
@@ -62,7 +62,7 @@ def run_sync_check(
                 "hf": str(hf_dir), "layout": layout.__dict__, "ray_address": ray_info["address"],
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
                 "timeout_s": timeout_s, "inflight": inflight, "syncs": syncs, "noise": noise, "batch": batch, "seq": seq,
-                "inflight_requests": inflight_requests, "inflight_tokens": inflight_tokens, "inflight_head_start_s": 0.5,
+                "inflight_requests": inflight_requests, "inflight_tokens": inflight_tokens,
                 "kill_engine": kill_engine,
                 "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip

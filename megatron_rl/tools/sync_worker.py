@@ -67,20 +67,46 @@ def submit_inflight(handles, count: int, max_tokens: int, vocab: int) -> list:
     refs = []
     for i in range(count):
         prompt = torch.randint(3, vocab, (16,), generator=gen).tolist()
-        request = GenerationRequest(prompt_ids=prompt, max_tokens=max_tokens, temperature=1.0)
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
         refs.append(handles[i % len(handles)].actor.generate.remote(request))
     return refs
+
+
+def wait_until_running(handles, count: int, timeout_s: float) -> None:
+    """Block until the engines are generating `count` requests (so they are really in flight during the sync)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(ray.get([h.actor.running_requests.remote() for h in handles], timeout=30)) >= count:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the {count} in-flight requests did not start within {timeout_s:.0f} s")
 
 
 def summarize_inflight(results, max_tokens: int) -> dict:
     """How many in-flight requests finished whole, how many spanned two versions, how many were continued."""
     return {
         "requests": len(results),
-        "complete": sum(len(r.token_ids) == max_tokens or r.finish_reason == "stop" for r in results),
+        "complete": sum(len(r.token_ids) == max_tokens for r in results),
         "spanning_versions": sum(len(set(r.versions)) > 1 for r in results),
         "continued": sum(r.continuations > 0 for r in results),
         "tokens": sum(len(r.token_ids) for r in results),
     }
+
+
+def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
+    """Timed syncs (gather + pack + send + load, engines acknowledged) vs plain broadcasts of the same bytes."""
+    from megatron_rl.weights.sync import push_raw
+
+    sync_s, raw_s = [], []
+    push_raw(sync, setup["bytes"], sync.bucket_bytes)  # warm-up: first use of the sockets
+    for version in range(1, spec["bench"]["repeats"] + 1):
+        perturb_weights(rank, seed=version, scale=spec["noise"])
+        dist.barrier()
+        sync_s.append(sync.push(version)["seconds"])
+        raw_s.append(push_raw(sync, setup["bytes"], sync.bucket_bytes))
+    return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s}
 
 
 def main(spec_path: str) -> None:
@@ -106,6 +132,12 @@ def main(spec_path: str) -> None:
         handles.append(EngineHandle(name, actor, workers))
     sync = TrainerWeightSync(rank, handles, spec["bucket_bytes"], spec["timeout_s"], inflight=spec["inflight"])
     setup = sync.setup()
+    if spec.get("bench"):
+        report = run_bench(rank, sync, setup, spec)
+        if is_rank0:
+            Path(spec["out"]).write_text(json.dumps(report))
+        destroy_distributed()
+        return
     tokens = parity_tokens(rank.arch.vocab_size, spec["batch"], spec["seq"], seed=11)
     report = {"plan": setup, "syncs": []}
     for version in range(1, spec["syncs"] + 1):
@@ -115,7 +147,8 @@ def main(spec_path: str) -> None:
         if is_rank0:
             entry["before"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
             inflight = submit_inflight(handles, spec["inflight_requests"], spec["inflight_tokens"], rank.arch.vocab_size)
-            time.sleep(spec["inflight_head_start_s"] if inflight else 0)
+            if inflight:
+                wait_until_running(handles, spec["inflight_requests"], spec["timeout_s"])
         if is_rank0 and spec.get("kill_engine") and version == spec["syncs"]:
             import ray
 

@@ -50,3 +50,12 @@ class WeightReceiver:
             received += bucket.nbytes
         loader.finish()
         return {"version": version, "bytes": received, "tensors": tensors, "seconds": time.perf_counter() - start}
+
+    def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int) -> dict:
+        """Baseline for benchmarks: receive `nbytes` from `sender` in chunks, loading nothing."""
+        group = self.groups[sender]
+        start = time.perf_counter()
+        buffer = torch.empty(chunk_bytes, dtype=torch.uint8)
+        for offset in range(0, nbytes, chunk_bytes):
+            wait(group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0), "raw chunk", group)
+        return {"bytes": nbytes, "seconds": time.perf_counter() - start}

