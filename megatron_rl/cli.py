@@ -70,6 +70,16 @@ def cmd_verify(args) -> dict:
     raise SystemExit(f"unknown verify target {args.what}")
 
 
+def cmd_train(args) -> dict:
+    """Run an RL job from a YAML config."""
+    from megatron_rl.config import load_config
+    from megatron_rl.tools.train import run_training
+
+    summary = run_training(load_config(args.config, args.overrides))
+    keys = ("run_dir", "mode", "steps", "wall_seconds", "reward_first", "reward_last", "reward_best")
+    return {k: summary[k] for k in keys} | {"accounting": summary["accounting"]}
+
+
 def cmd_config(args) -> dict | None:
     """Show the resolved config, or explain every field."""
     from megatron_rl.config import dump_config, explain, load_config
@@ -137,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("second")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("train", help="run asynchronous RL from a YAML config (see configs/quickstart.yaml)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as steps=5 trainer.parallel.ep=2")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("config", help="print the resolved config (or --explain every field)")
     p.add_argument("config", nargs="?", default=None)

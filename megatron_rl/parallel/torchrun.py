@@ -36,6 +36,36 @@ def worker_env(nproc: int) -> dict[str, str]:
     return env
 
 
+def start_torchrun(module: str, args: list[str], nproc: int, log_path: str | Path) -> subprocess.Popen:
+    """Start the module on `nproc` processes in the background (own process group), output to `log_path`."""
+    log = open(log_path, "w")  # noqa: SIM115 (the child owns it for its lifetime)
+    return subprocess.Popen(
+        torchrun_command(module, args, nproc), stdout=log, stderr=subprocess.STDOUT, text=True,
+        env=worker_env(nproc), start_new_session=True,
+    )  # fmt: skip
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Terminate a background job's whole process group, killing it after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def log_failure(log_path: str | Path, module: str, returncode: int) -> LaunchError:
+    """A LaunchError with the root cause and tail of a background job's log."""
+    text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
+    return LaunchError(f"{module} failed (exit {returncode}); log {log_path}:\n{_tail(text)}")
+
+
 def run_torchrun(module: str, args: list[str], nproc: int, timeout_s: float, log_path: str | Path | None = None) -> str:
     """Run the module on `nproc` processes; return its output, or raise LaunchError with its last lines.
 

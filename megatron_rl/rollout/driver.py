@@ -1,0 +1,140 @@
+"""The generation driver: keeps every engine busy, scores responses off the critical path, fills the buffer.
+
+It runs as asyncio tasks in the launching process. Each engine gets `max_concurrent_prompts` workers; a worker
+claims a prompt, generates `samples_per_prompt` responses on its engine, scores them in a thread pool and puts
+the group into the buffer. A gate bounds how far generation runs ahead of the trainer: the groups for step s
+are only claimed once the trainer's weights are at version >= s - lag (lag 0: sync, 1: one step off, async:
+max_staleness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron_rl.rollout.engine import GenerationRequest
+from megatron_rl.rollout.types import Group, Sample
+
+MODE_LAG = {"sync": 0, "one_step_off": 1}
+
+
+def mode_lag(mode: str, max_staleness: int) -> int:
+    """How many versions generation may run ahead of the trainer in each loop mode."""
+    return MODE_LAG.get(mode, max(1, max_staleness))
+
+
+@dataclasses.dataclass
+class DriverStats:
+    """Counters the driver reports with the metrics."""
+
+    claimed: int = 0
+    groups: int = 0
+    dropped_by_buffer: int = 0
+    requeued: int = 0
+    engine_failures: int = 0
+    generated_tokens: int = 0
+    gate_wait_s: float = 0.0
+
+
+class GenerationDriver:
+    """Continuous generation into the rollout buffer (see module docstring)."""
+
+    def __init__(self, buffer, engines: dict[str, object], task, tokenizer, cfg, lag: int):
+        self.buffer = buffer
+        self.engines = engines
+        self.task = task
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.lag = lag
+        self.stats = DriverStats()
+        self.trainer_version = 0
+        self._stop = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reward")
+        self._claim_lock = asyncio.Lock()
+        self.failure: BaseException | None = None
+
+    def stop(self) -> None:
+        """Ask every worker to finish its current group and exit."""
+        self._stop.set()
+
+    async def run(self) -> DriverStats:
+        """Run until stopped (or the prompts run out); returns the counters."""
+        workers = [
+            self._worker(name) for name in self.engines for _ in range(self.cfg.rollout.max_concurrent_prompts)
+        ]
+        await asyncio.gather(self._watch_version(), *workers)
+        self._pool.shutdown(wait=False)
+        return self.stats
+
+    async def _watch_version(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.trainer_version = (await self.buffer.stats.remote())["trainer_version"]
+            except KeyError:  # older buffer without the field: fall back to the version counter
+                pass
+            await asyncio.sleep(0.05)
+
+    async def _claim(self) -> tuple[int, dict] | None:
+        """Claim one prompt when the gate allows it (the step it serves is close enough to the trainer)."""
+        async with self._claim_lock:
+            start = time.perf_counter()
+            while not self._stop.is_set():
+                step = self.stats.claimed // self.cfg.prompts_per_step
+                if step <= self.trainer_version + self.lag:
+                    claimed = await self.buffer.claim_prompts.remote(1, 0.2)
+                    if claimed:
+                        self.stats.claimed += 1
+                        self.stats.gate_wait_s += time.perf_counter() - start
+                        return claimed[0]
+                await asyncio.sleep(0.02)
+            return None
+
+    async def _worker(self, engine: str) -> None:
+        while not self._stop.is_set():
+            claimed = await self._claim()
+            if claimed is None:
+                return
+            index, record = claimed
+            try:
+                results = await self._generate(engine, record)
+            except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
+                self.stats.engine_failures += 1
+                self.stats.requeued += 1
+                await self.buffer.requeue.remote(index, f"{engine}: {type(err).__name__}")
+                self.failure = err
+                await asyncio.sleep(0.5)
+                continue
+            group = await self._score(index, record, results)
+            accepted = await self.buffer.put_group.remote(group)
+            self.stats.groups += int(accepted)
+            self.stats.dropped_by_buffer += int(not accepted)
+
+    async def _generate(self, engine: str, record: dict) -> list:
+        rollout = self.cfg.rollout
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        requests = [
+            GenerationRequest(
+                prompt_ids=list(record["prompt_ids"]),
+                max_tokens=rollout.max_new_tokens,
+                temperature=rollout.temperature,
+                top_p=rollout.top_p,
+                stop_token_ids=[eos] if eos is not None else [],
+            )
+            for _ in range(rollout.samples_per_prompt)
+        ]
+        results = await asyncio.gather(*(self.engines[engine].generate.remote(r) for r in requests))
+        self.stats.generated_tokens += sum(len(r.token_ids) for r in results)
+        return list(results)
+
+    async def _score(self, index: int, record: dict, results: list) -> Group:
+        loop = asyncio.get_running_loop()
+        samples = []
+        for i, result in enumerate(results):
+            sample = Sample.from_generation(result, index, group_id=str(index))
+            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            sample.reward = await loop.run_in_executor(self._pool, self.task.score, text, record.get("answer"), sample)
+            sample.metadata["sample"] = i
+            samples.append(sample)
+        return Group(index, samples)
