@@ -19,6 +19,7 @@ from megatron_rl.config import RunConfig
 def train_loop(cfg: RunConfig, spec: dict) -> None:
     """Pull a batch, recompute proximal logprobs, take an optimizer step, push the new weights; repeat."""
     trainer, buffer, sync, metrics = set_up(cfg, spec)
+    engines = EngineMeter(sync.engines) if trainer.rank.ctx.rank == 0 else None
     version = 0
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -31,7 +32,8 @@ def train_loop(cfg: RunConfig, spec: dict) -> None:
         if trainer.rank.ctx.rank == 0:
             buffer.set_trainer_version.remote(version)
             step_s = time.perf_counter() - t0
-            metrics.log(step, collect_metrics(groups, stats, sync_report, buffer, version, t_data, step_s))
+            record = collect_metrics(groups, stats, sync_report, buffer, version, t_data, step_s)
+            metrics.log(step, record | engines.measure())
     finish(cfg, trainer, metrics, spec)
 
 
@@ -156,6 +158,33 @@ def collect_metrics(groups, stats: dict, sync_report: dict, buffer, version: int
         "buffer/dropped": buffer_stats.get("dropped"),
         "buffer/dropped_by_reason": buffer_stats.get("dropped_by_reason"),
     }
+
+
+class EngineMeter:
+    """Engine idle fraction and generated tokens/s between two calls, from the engines' own counters."""
+
+    def __init__(self, handles):
+        self.handles = handles
+        self.last = self._snapshot()
+
+    def _snapshot(self) -> tuple[float, float, float]:
+        import ray
+
+        reports = ray.get([h.actor.health.remote() for h in self.handles], timeout=60)
+        busy = sum(r["busy_seconds"] for r in reports)
+        tokens = sum(r["generated_tokens"] for r in reports)
+        return time.perf_counter(), busy, tokens
+
+    def measure(self) -> dict:
+        """Metrics since the previous call."""
+        now = self._snapshot()
+        wall = max(1e-9, now[0] - self.last[0])
+        busy, tokens = now[1] - self.last[1], now[2] - self.last[2]
+        self.last = now
+        return {
+            "time/engine_idle_frac": max(0.0, 1.0 - busy / (wall * len(self.handles))),
+            "throughput/generated_tokens_per_s": tokens / wall,
+        }
 
 
 def finish(cfg: RunConfig, trainer: Trainer, metrics, spec: dict) -> None:

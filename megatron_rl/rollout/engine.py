@@ -304,6 +304,10 @@ class VLLMEngine:
             "consistent": self.consistent,
             "pid": os.getpid(),
             **self.stats,
+            # Include the busy span in progress, so a continuously busy engine is not reported idle.
+            "busy_seconds": self.stats["busy_seconds"]
+            + (time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0),
+            "running": len(self._running),
         }
 
     def running_requests(self) -> int:
