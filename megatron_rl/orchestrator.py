@@ -7,6 +7,7 @@ elsewhere all the time (rollout/driver.py); the trainer only waits when the buff
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -203,7 +204,10 @@ def main(spec_path: str) -> None:
     from megatron_rl.parallel.groups import destroy_distributed
 
     spec = json.loads(Path(spec_path).read_text())
-    train_loop(RunConfig.model_validate(spec["config"]), spec)
+    cfg = RunConfig.model_validate(spec["config"])
+    if cfg.trainer.cpu_affinity:
+        os.sched_setaffinity(0, set(cfg.trainer.cpu_affinity))
+    train_loop(cfg, spec)
     destroy_distributed()
 
 

@@ -88,6 +88,8 @@ class TrainerConfig(Section):
     """Seed of parameter init and dropout streams."""
     timeout_s: float = Field(600.0, gt=0)
     """Timeout of every trainer collective; a dead rank ends the job after this long."""
+    cpu_affinity: list[int] = Field(default_factory=list)
+    """CPU cores the trainer processes run on (empty: all); benchmarks pin trainer and engines apart."""
 
 
 class CheckpointConfig(Section):
@@ -126,6 +128,8 @@ class RolloutConfig(Section):
     """KV cache size of a CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
     max_concurrent_prompts: int = Field(16, ge=1)
     """Prompts in flight per engine."""
+    cpu_affinity: list[int] = Field(default_factory=list)
+    """CPU cores the engine processes run on (empty: all)."""
 
 
 class BufferConfig(Section):

@@ -46,6 +46,8 @@ class EngineSpec:
     """Sampling seed of the engine."""
     max_num_seqs: int = 64
     """Most sequences scheduled at once."""
+    cpu_affinity: list[int] = dataclasses.field(default_factory=list)
+    """CPU cores for the engine and its vLLM processes (empty: all)."""
 
 
 @dataclasses.dataclass
@@ -110,6 +112,8 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _engine_env(self.spec)
+        if self.spec.cpu_affinity:
+            os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
         args = AsyncEngineArgs(
             model=self.spec.model_path,
             dtype=self.spec.dtype,
