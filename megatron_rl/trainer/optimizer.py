@@ -75,26 +75,26 @@ def complete_tensor_parallel_attributes(model) -> int:
     return marked
 
 
-def mark_replicated_experts(model) -> int:
-    """With EP = 1 and ETP != TP, put expert weights in DDP's expert buckets; returns how many were marked.
+def mark_expert_params(model) -> int:
+    """Put every expert weight in DDP's expert buckets and the expert optimizer, at every layout; returns how
+    many parameters were marked.
 
     Megatron files expert weights under the dense data-parallel reduction (`allreduce=True`) whenever
-    `expert_model_parallel_size == 1`. That is right only when experts are sharded like the dense layers
-    (ETP == TP). With ETP < TP the TP ranks hold the same expert weights but route different tokens (their
-    sequence shards) through them, so the expert gradients must be summed over the expert data-parallel group,
-    which includes those TP peers; the dense group does not, and the ranks' expert weights drift apart after the
-    first step (megatron-core 0.16.1, TP2 x EP1 x ETP1). Marking them `allreduce=False`, as EP > 1 does, makes
-    DDP and the optimizer use the expert groups.
+    `expert_model_parallel_size == 1`. Two things go wrong with that:
+    - With ETP < TP the TP ranks hold the same expert weights but route different tokens (their sequence
+      shards) through them, so the expert gradients must be summed over the expert data-parallel group, which
+      includes those TP peers; the dense group does not, and the TP ranks' expert weights drift apart after the
+      first step (megatron-core 0.16.1, TP2 x EP1 x ETP1).
+    - `get_megatron_optimizer` builds one optimizer at EP = 1 but a chain of two (dense, expert) at EP > 1, and
+      the optimizer checkpoint's keys and nesting follow the chain, so optimizer state saved at EP2 did not load
+      at PP2 ("optimizer.state.param.... from model not in state dict").
+    Marking them `allreduce=False`, as EP > 1 does, is equivalent when ETP == TP (the expert data-parallel group
+    is then the dense one, with the same 1/DP gradient scaling) and fixes both.
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    inner = unwrap_model(model)
-    config = inner.config
-    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
-    if config.expert_model_parallel_size != 1 or etp == config.tensor_model_parallel_size:
-        return 0
     marked = 0
-    for module in inner.modules():
+    for module in unwrap_model(model).modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and getattr(module, "is_expert", False):
             for param in module.parameters(recurse=False):
                 param.allreduce = False
@@ -116,7 +116,7 @@ def wrap_ddp(model, use_distributed_optimizer: bool, check_for_nan: bool = False
     )
 
     complete_tensor_parallel_attributes(model)
-    mark_replicated_experts(model)
+    mark_expert_params(model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

@@ -80,7 +80,9 @@ def effective_mask(batch: TrainBatch, algo: AlgorithmConfig) -> Tensor:
         return mask
     if batch.proximal_logprobs is None:
         raise ValueError("decoupled_ppo needs proximal_logprobs (see with_proximal_logprobs)")
-    return importance_weights(batch.proximal_logprobs, batch.behaviour_logprobs, mask, algo.correction, algo.is_cap).mask
+    return importance_weights(
+        batch.proximal_logprobs, batch.behaviour_logprobs, mask, algo.correction, algo.is_cap
+    ).mask
 
 
 def local_count(mask: Tensor, agg: str) -> Tensor:
@@ -90,15 +92,24 @@ def local_count(mask: Tensor, agg: str) -> Tensor:
     return masked_count(mask)
 
 
-def global_normalizers(batch: TrainBatch, algo: AlgorithmConfig, ctx: ParallelContext) -> Normalizers:
-    """Loss denominators summed over the data-parallel group (last-stage ranks call this)."""
-    counts = torch.stack(
-        [local_count(effective_mask(batch, algo), algo.loss_agg), local_count(as_bool_mask(batch.loss_mask), algo.loss_agg)]
-    ).to(torch.float64)
-    counts = counts.to(ctx.device)
-    dist.all_reduce(counts, group=ctx.dp_group)
+def local_counts(batch: TrainBatch, algo: AlgorithmConfig) -> Tensor:
+    """This share's `[policy, kl]` denominator contributions (float64); summed over DP they give Normalizers."""
+    policy = local_count(effective_mask(batch, algo), algo.loss_agg)
+    kl = local_count(as_bool_mask(batch.loss_mask), algo.loss_agg)
+    return torch.stack([policy, kl]).to(torch.float64)
+
+
+def normalizers_from_counts(counts: Tensor) -> Normalizers:
+    """Normalizers from global `[policy, kl]` counts; an empty count becomes 1 (the loss is then 0, not NaN)."""
     policy, kl = counts.clamp(min=1).tolist()
     return Normalizers(policy=policy, kl=kl)
+
+
+def global_normalizers(batch: TrainBatch, algo: AlgorithmConfig, ctx: ParallelContext) -> Normalizers:
+    """Loss denominators summed over the data-parallel group (last-stage ranks call this)."""
+    counts = local_counts(batch, algo).to(ctx.device)
+    dist.all_reduce(counts, group=ctx.dp_group)
+    return normalizers_from_counts(counts.cpu())
 
 
 def micro_batch_loss(

@@ -28,7 +28,8 @@ PPO_SEQ = {"loss": "ppo", "loss_agg": "seq_mean", "clip_low": 0.2, "clip_high": 
 OPTIM = {"lr": 1e-3, "lr_decay_style": "linear", "clip_grad": 1.0, "weight_decay": 0.01}
 
 LAYOUTS = {
-    "tp2": {"tp": 2},
+    "tp2": {"tp": 2},  # experts replicated over TP (ETP 1): their gradients are summed over the TP pair
+    "tp2-etp2": {"tp": 2, "etp": 2},
     "ep2": {"ep": 2},
     "pp2": {"pp": 2},
     "tp2xep2": {"tp": 2, "ep": 2, "etp": 1},
@@ -75,7 +76,7 @@ def _case(name, root: Path, hf, layout, batches, eval_tokens, algo=DECOUPLED, mb
         "moe_aux_loss_coeff": 0.0,
         "batches": batches,
         "eval_tokens": eval_tokens,
-        "out": str(root / f"{name}.pt"),
+        "out": str(root / f"report-{name}.pt"),
         **extra,
     }
 
@@ -112,17 +113,21 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         moe_case("moe-ppo-1x1x1", {}, algo=PPO_SEQ),
         dense_case("dense-1x1x1", {}),
         _case("learn", root, moe, {}, [files["learn"]] * 4, learn_tokens, mbs=4, total_steps=4),
+        moe_case("moe-aux-1x1x1", {}, moe_aux_loss_coeff=0.01),
     ]
     world2 = [moe_case(f"moe-{name}", layout) for name, layout in LAYOUTS.items() if name != "ep2"]
     world2 += [
         # Uninterrupted run at EP2 (two data-parallel ranks: the DistributedOptimizer shards its state), saved
-        # after the first step; then the second step resumed from that checkpoint, at EP2 and at TP2.
+        # after the first step; then the second step resumed from that checkpoint, at EP2, TP2 and PP2.
         moe_case("moe-ep2", LAYOUTS["ep2"], save_dir=ckpt, save_after=1),
         moe_case("moe-ppo-ep2", LAYOUTS["ep2"], algo=PPO_SEQ),
+        moe_case("moe-aux-ep2", LAYOUTS["ep2"], moe_aux_loss_coeff=0.01),
         dense_case("dense-tp2", {"tp": 2}),
         dense_case("dense-pp2", {"pp": 2}),
-        _case("resume-ep2", root, moe, LAYOUTS["ep2"], moe_batches[1:], eval_path, load_dir=ckpt),
-        _case("resume-tp2", root, moe, {"tp": 2}, moe_batches[1:], eval_path, load_dir=ckpt),
+    ]
+    world2 += [
+        _case(f"resume-{name}", root, moe, LAYOUTS[name], moe_batches[1:], eval_path, load_dir=ckpt)
+        for name in ("ep2", "tp2", "pp2")
     ]
     return {1: world1, 2: world2}
 
@@ -180,6 +185,15 @@ def test_ppo_seq_mean_matches_unsharded(reports):
     assert ref["steps"][0]["ppo/clip_frac"] > 0.05  # the clip is active on some tokens
 
 
+def test_moe_aux_loss_is_applied_and_matches_unsharded(reports):
+    """With moe_aux_loss_coeff > 0 Megatron's load-balancing loss adds router gradients (the reported policy
+    loss is unchanged); the same micro-batch composition at EP2 (two DP ranks) gives the same step."""
+    off, on = reports["moe-1x1x1"]["steps"][0], reports["moe-aux-1x1x1"]["steps"][0]
+    assert on["loss"] == pytest.approx(off["loss"], abs=LOSS_TOL)
+    assert abs(on["grad_norm"] - off["grad_norm"]) > 1e-3 * off["grad_norm"]
+    _check_match(reports["moe-aux-1x1x1"], reports["moe-aux-ep2"])
+
+
 def test_micro_batch_size_invariance(reports):
     """micro_batch_size 1 (8 micro-batches) and 4 (2 micro-batches) give the same step."""
     _check_match(reports["moe-1x1x1"], reports["moe-1x1x1-mbs1"])
@@ -223,9 +237,65 @@ def test_resume_from_checkpoint_is_exact(reports):
     assert torch.equal(resumed["evals"][1], full["evals"][2])
 
 
-def test_resume_at_another_layout(reports):
-    """The same checkpoint (optimizer state in fully_sharded_model_space format) resumed at TP2."""
-    full, resumed = reports["moe-ep2"], reports["resume-tp2"]
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_resume_at_another_layout(reports, layout):
+    """The same checkpoint (optimizer state `fully_reshardable`) resumed at another layout: same second step."""
+    full, resumed = reports["moe-ep2"], reports[f"resume-{layout}"]
     assert abs(resumed["steps"][0]["loss"] - full["steps"][1]["loss"]) <= LOSS_TOL
     assert resumed["steps"][0]["grad_norm"] == pytest.approx(full["steps"][1]["grad_norm"], rel=GRAD_NORM_RTOL)
-    assert float((resumed["evals"][1] - full["evals"][2]).abs().max()) <= LOGPROB_TOL
+    assert resumed["steps"][0]["lr"] == full["steps"][1]["lr"]
+    assert _max_eval_diff({"evals": resumed["evals"]}, {"evals": full["evals"][1:]}, 0) <= LOGPROB_TOL
+    assert _max_eval_diff({"evals": resumed["evals"]}, {"evals": full["evals"][1:]}, 1) <= LOGPROB_TOL
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        DECOUPLED,
+        {**DECOUPLED, "correction": "mis", "is_cap": 1.2, "loss_agg": "seq_mean"},
+        {**DECOUPLED, "correction": "seq_mis", "is_cap": 1.1},
+        PPO_SEQ,
+    ],
+    ids=["tis-token", "mis-seq", "seqmis-token", "ppo-seq"],
+)
+def test_global_normaliser_decomposition(algo):
+    """No processes: the micro-batch shares (2 DP shares x micro-batches, global denominators) sum to the
+    whole-batch `policy_loss` (+ KL), and so do their gradients, also when a masking correction drops tokens."""
+    from megatron_rl.algorithms.losses import policy_loss
+    from megatron_rl.config.schema import AlgorithmConfig
+    from megatron_rl.trainer.batch import TrainBatch, data_parallel_shard
+    from megatron_rl.trainer.train_step import local_counts, micro_batch_loss, normalizers_from_counts
+
+    cfg = AlgorithmConfig(**algo)
+    gen = torch.Generator().manual_seed(0)
+    b, s = 8, 12
+    mask = (torch.rand(b, s - 1, generator=gen) < 0.6).float()
+    mask[3] = 0  # an empty sequence
+    current = -torch.rand(b, s - 1, generator=gen) * 3
+    batch = TrainBatch(
+        tokens=torch.zeros(b, s, dtype=torch.long),
+        loss_mask=mask,
+        advantages=torch.randn(b, generator=gen),
+        behaviour_logprobs=current + 0.3 * torch.randn(b, s - 1, generator=gen),
+        proximal_logprobs=current + 0.1 * torch.randn(b, s - 1, generator=gen),
+        ref_logprobs=current + 0.2 * torch.randn(b, s - 1, generator=gen),
+    )
+    whole_lp = current.clone().requires_grad_(True)
+    whole, _ = policy_loss(
+        cfg.loss, whole_lp, batch.proximal_logprobs, batch.behaviour_logprobs, batch.advantages, mask,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, correction=cfg.correction, is_cap=cfg.is_cap,
+        agg=cfg.loss_agg, ref_logprobs=batch.ref_logprobs, kl_coef=cfg.kl_coef,
+    )  # fmt: skip
+    whole.backward()
+    shares = [data_parallel_shard(batch, r, 2) for r in range(2)]
+    norms = normalizers_from_counts(sum(local_counts(share, cfg) for share in shares))
+    parts_lp = current.clone().requires_grad_(True)
+    total = 0.0
+    for r, share in enumerate(shares):
+        for m, mb in enumerate(share.split(2)):
+            rows = slice(r * 4 + m * 2, r * 4 + m * 2 + 2)
+            loss, _ = micro_batch_loss(parts_lp[rows], mb, cfg, norms)
+            total = total + loss
+    total.backward()
+    assert float(total.detach()) == pytest.approx(float(whole.detach()), abs=1e-6)
+    assert torch.allclose(parts_lp.grad, whole_lp.grad, atol=1e-7)

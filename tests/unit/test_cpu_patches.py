@@ -1,7 +1,8 @@
 """The Megatron-Core CPU patches: applied by one call, idempotent, each doing what its docstring says.
 
 Runs in a subprocess so that the patched torch.cuda does not leak into other tests. The parity tests in
-tests/dist exercise every patch end to end.
+tests/dist exercise every patch end to end; the optimizer patches (and the shared-step fix, which needs a whole
+DistributedOptimizer) are exercised by the train-step and resume tests in tests/dist/test_train_step.py.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def test_all_patches_applied_once(patched):
         "rng_tracker",
         "literal_cuda_devices",
         "param_type_names",
+        "optimizer_state_step_key",
+        "optimizer_shared_step_tensor",
         "torch_norm_sequence_parallel",
         "all_to_all_split_lists",
         "moe_utils_te_names",
@@ -94,3 +97,38 @@ print(seen['types'])
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "('list', 'list')"
+
+
+def test_optimizer_patches():
+    code = r"""
+import json, types, torch
+from megatron_rl.parallel.cpu_patches import apply_cpu_patches
+apply_cpu_patches()
+from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer as opt_mod
+cls = distrib_optimizer.DistributedOptimizer
+out = {"builder_is_classmethod": isinstance(cls.__dict__["_build_model_and_main_param_groups"], classmethod)}
+# clip_grad_by_total_norm_fp32 accepts CPU fp32 grads (it asserted a CUDA type) and restores Tensor.type.
+p = torch.nn.Parameter(torch.ones(4))
+p.grad = torch.full((4,), 2.0)
+opt_mod.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+out["clipped"] = round(float(p.grad[0]), 4)
+out["type_restored"] = torch.ones(1).type()
+# Loaded fully_reshardable tensors carry no 'step': the torch-AdamW state's own step is kept.
+main = torch.zeros(3)
+state = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+fake = types.SimpleNamespace(
+    config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+    model_param_group_index_map={"w": (0, 0)},
+    optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state={main: state}),
+)
+cls._set_main_param_and_optimizer_states(fake, "w", {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0), "exp_avg_sq": torch.full((3,), 3.0)})
+out["set_states"] = [float(main[0]), float(state["exp_avg"][0]), float(state["exp_avg_sq"][0]), float(state["step"])]
+print(json.dumps(out))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["builder_is_classmethod"]
+    assert out["clipped"] == 0.5
+    assert out["type_restored"] == "torch.FloatTensor"
+    assert out["set_states"] == [1.0, 2.0, 3.0, 5.0]
