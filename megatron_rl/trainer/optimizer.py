@@ -10,13 +10,14 @@ Wiring Megatron expects (as its own `training.py` does): the model's Transformer
 embedding all-reduce run at the end of every forward-backward), `no_sync_func` and `grad_scale_func` (the loss
 scale of fp16 training; 1 otherwise). These live on the config object because Megatron's schedules read them
 there.
+
+Before wrapping, two parameter attributes Megatron leaves wrong for this project's models are fixed
+(`complete_tensor_parallel_attributes`, `mark_expert_params`; each docstring names the failure it prevents).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import torch
 
 from megatron_rl.config.schema import OptimizerConfig
 
@@ -215,8 +216,3 @@ def zero_grads(state: TrainingState) -> None:
     """Clear the DDP gradient buffers and the optimizer's gradients before a forward-backward."""
     state.model.zero_grad_buffer()
     state.optimizer.zero_grad()
-
-
-def parameters_finite(model) -> bool:
-    """Whether every local parameter is finite (a cheap health check after an update)."""
-    return all(bool(torch.isfinite(p).all()) for p in unwrap_model(model).parameters())
