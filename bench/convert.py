@@ -80,7 +80,11 @@ def main() -> None:
                     "plain_seconds": round(plain_s, 3),
                     "plain_gb_per_s": round(plain_gbps, 3),
                     "ratio": round(gbps / plain_gbps, 3),
-                    "phases_rank0": {k: v for k, v in report.items() if k.endswith("_seconds") and k not in ("convert_seconds", "wall_seconds")},
+                    "phases_rank0": {
+                        k: v
+                        for k, v in report.items()
+                        if k.endswith("_seconds") and k not in ("convert_seconds", "wall_seconds")
+                    },
                     "goal_ratio": 0.5,
                 }
             )

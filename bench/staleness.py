@@ -23,8 +23,18 @@ from megatron_rl.tools.train import run_training
 
 SETTINGS = {
     "sync": ["mode=sync"],
-    "async_decoupled_tis": ["mode=async", "buffer.max_staleness=4", "algorithm.loss=decoupled_ppo", "algorithm.correction=tis"],
-    "async_ppo_uncorrected": ["mode=async", "buffer.max_staleness=4", "algorithm.loss=ppo", "algorithm.correction=none"],
+    "async_decoupled_tis": [
+        "mode=async",
+        "buffer.max_staleness=4",
+        "algorithm.loss=decoupled_ppo",
+        "algorithm.correction=tis",
+    ],
+    "async_ppo_uncorrected": [
+        "mode=async",
+        "buffer.max_staleness=4",
+        "algorithm.loss=ppo",
+        "algorithm.correction=none",
+    ],
 }
 
 

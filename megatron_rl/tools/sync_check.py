@@ -51,7 +51,15 @@ def run_sync_check(
     if len(tps) != engines:
         raise ValueError(f"engine_tp lists {len(tps)} sizes for {engines} engines")
     specs = [
-        EngineSpec(f"engine-{i}", str(hf_dir), dtype="float32", tensor_parallel=tps[i], expert_parallel=engine_ep, max_model_len=1024, seed=i)
+        EngineSpec(
+            f"engine-{i}",
+            str(hf_dir),
+            dtype="float32",
+            tensor_parallel=tps[i],
+            expert_parallel=engine_ep,
+            max_model_len=1024,
+            seed=i,
+        )
         for i in range(engines)
     ]
     pool = EnginePool(specs, cpus_per_engine=0.5)
@@ -74,7 +82,9 @@ def run_sync_check(
     return summarize(report, family.name, layout, engines, tps, engine_ep)
 
 
-def summarize(report: dict, family: str, layout: ParallelLayout, engines: int, engine_tp: list[int], engine_ep: bool) -> dict:
+def summarize(
+    report: dict, family: str, layout: ParallelLayout, engines: int, engine_tp: list[int], engine_ep: bool
+) -> dict:
     """Top-level figures from the worker's per-sync report."""
     last = report["syncs"][-1]
     first = report["syncs"][0]

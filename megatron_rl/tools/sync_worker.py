@@ -29,7 +29,11 @@ def perturb_weights(rank, seed: int, scale: float) -> None:
             shape = list(tensor.shape)
             if rule.tp_dim is not None:
                 shape[rule.tp_dim] *= size
-            key = "embedding.word_embeddings.weight" if canonical == "output_layer.weight" and rank.arch.tie_word_embeddings else canonical
+            key = (
+                "embedding.word_embeddings.weight"
+                if canonical == "output_layer.weight" and rank.arch.tie_word_embeddings
+                else canonical
+            )
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
             noise = torch.randn(shape, generator=gen, dtype=torch.float32)
             tensor.add_(sharding.shard(noise, rule, size, tp_rank).to(tensor.device, tensor.dtype) * scale)
@@ -146,7 +150,9 @@ def main(spec_path: str) -> None:
         entry = {"version": version}
         if is_rank0:
             entry["before"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
-            inflight = submit_inflight(handles, spec["inflight_requests"], spec["inflight_tokens"], rank.arch.vocab_size)
+            inflight = submit_inflight(
+                handles, spec["inflight_requests"], spec["inflight_tokens"], rank.arch.vocab_size
+            )
             if inflight:
                 wait_until_running(handles, spec["inflight_requests"], spec["timeout_s"])
         if is_rank0 and spec.get("kill_engine") and version == spec["syncs"]:
@@ -161,7 +167,11 @@ def main(spec_path: str) -> None:
             entry["sync_seconds"] = pushed["seconds"]
             entry["engines"] = {name: r["version"] for name, r in pushed["engines"].items()}
             entry["after"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
-            entry["inflight"] = summarize_inflight(ray.get(inflight, timeout=spec["timeout_s"]), spec["inflight_tokens"]) if inflight else None
+            entry["inflight"] = (
+                summarize_inflight(ray.get(inflight, timeout=spec["timeout_s"]), spec["inflight_tokens"])
+                if inflight
+                else None
+            )
             entry["versions_reported"] = {h.name: ray.get(h.actor.weight_version.remote(), timeout=30) for h in handles}
         report["syncs"].append(entry)
         dist.barrier()

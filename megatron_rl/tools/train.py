@@ -32,7 +32,9 @@ def ensure_model(cfg: RunConfig) -> str:
     if (path / "config.json").exists():
         return str(path)
     if not cfg.model.family:
-        raise FileNotFoundError(f"model.hf_path={cfg.model.hf_path!r}: no config.json there (set model.family to make a tiny one)")
+        raise FileNotFoundError(
+            f"model.hf_path={cfg.model.hf_path!r}: no config.json there (set model.family to make a tiny one)"
+        )
     from megatron_rl.tools.make_tiny import make_tiny
 
     return str(make_tiny(cfg.model.family, path, seed=cfg.trainer.seed))
@@ -101,7 +103,9 @@ def run_training(cfg: RunConfig) -> dict:
         (run_dir / "trainer_spec.json").write_text(json.dumps(spec))
         log_path = run_dir / "trainer.log"
         proc = start_torchrun(ORCHESTRATOR, [str(run_dir / "trainer_spec.json")], layout.world_size, log_path)
-        driver = GenerationDriver(buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness))
+        driver = GenerationDriver(
+            buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
+        )
         asyncio.run(_drive(driver, proc))
         if proc.wait() != 0:
             raise log_failure(log_path, ORCHESTRATOR, proc.returncode)

@@ -49,7 +49,9 @@ def owned_tensor_specs(model, family: ModelFamily, arch: ModelArch, ctx: Paralle
     return passes[False] + passes[True]
 
 
-def build_plan(model, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, bucket_bytes: int) -> list[BucketSpec]:
+def build_plan(
+    model, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, bucket_bytes: int
+) -> list[BucketSpec]:
     """The same bucket plan on every trainer rank (specs all-gathered over the trainer's default group)."""
     mine = owned_tensor_specs(model, family, arch, ctx)
     everyone: list = [None] * dist.get_world_size()
@@ -76,7 +78,8 @@ def send_update(
     pending: dict[str, torch.Tensor] = {}
     sent_bytes = 0
     tensors = itertools.chain(
-        iter_hf_tensors(model, family, arch, ctx, experts=False), iter_hf_tensors(model, family, arch, ctx, experts=True)
+        iter_hf_tensors(model, family, arch, ctx, experts=False),
+        iter_hf_tensors(model, family, arch, ctx, experts=True),
     )
     for name, tensor in tensors:
         if current is None:
@@ -90,7 +93,9 @@ def send_update(
             pending = {}
             current = next(queue, None)
     if current is not None:
-        raise RuntimeError(f"rank {ctx.rank}: bucket {current.index} was never filled (missing {len(current.slots) - len(pending)} tensors)")
+        raise RuntimeError(
+            f"rank {ctx.rank}: bucket {current.index} was never filled (missing {len(current.slots) - len(pending)} tensors)"
+        )
     if buffers is not None:
         wait(buffers, "broadcast", group)
     return {"rank": ctx.rank, "buckets": len(mine), "bytes": sent_bytes, "seconds": time.perf_counter() - start}

@@ -118,7 +118,9 @@ class TrainerWeightSync:
         if self.is_coordinator:
             plan_json = plan_to_json(self.plan)
             for engine in self.engines:
-                futures[engine.name] = engine.actor.update_weights.remote(version, plan_json, self.inflight, self.timeout_s)
+                futures[engine.name] = engine.actor.update_weights.remote(
+                    version, plan_json, self.inflight, self.timeout_s
+                )
         send_error = None
         try:
             sent = send_update(r.model, r.family, r.arch, r.ctx, self.plan, self.group, version)
@@ -154,7 +156,9 @@ def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int) -> float:
     start = time.perf_counter()
     futures = {}
     if sync.is_coordinator:
-        futures = {e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, sync.timeout_s) for e in sync.engines}
+        futures = {
+            e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, sync.timeout_s) for e in sync.engines
+        }
     if sync.rank.ctx.rank == sender:
         buffer = torch.zeros(chunk_bytes, dtype=torch.uint8)
         for offset in range(0, nbytes, chunk_bytes):

@@ -28,7 +28,16 @@ def test_quickstart_learns_within_ten_minutes(tmp_path):
     assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
     assert acc["consumed"] == cfg.steps * cfg.prompts_per_step
     assert (run_dir / "reward_curve.png").stat().st_size > 10_000
-    for key in ("mismatch/k3_kl", "is/weight_mean", "is/ess", "ppo/clip_frac", "staleness/histogram",
-                "time/trainer_idle_frac", "time/engine_idle_frac", "sync/seconds", "throughput/trained_tokens_per_s"):
+    for key in (
+        "mismatch/k3_kl",
+        "is/weight_mean",
+        "is/ess",
+        "ppo/clip_frac",
+        "staleness/histogram",
+        "time/trainer_idle_frac",
+        "time/engine_idle_frac",
+        "sync/seconds",
+        "throughput/trained_tokens_per_s",
+    ):
         assert key in records[-1], key  # fmt: skip
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == cfg.steps

@@ -239,8 +239,13 @@ def test_dataset_task_errors(tmp_path, tokenizer):
         DatasetTask(tmp_path / "x.csv", tokenizer)
     with pytest.raises(TaskError, match="needs task.path"):
         make_task(TaskConfig(name="jsonl"), tokenizer)
+    # The schema refuses an unknown task name before any task is built; make_task still guards direct callers.
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="task.name: must be one of 'count', 'copy', 'jsonl' or 'parquet'"):
+        load_config(None, ["task.name=nope"])
     with pytest.raises(TaskError, match="task.name='nope' is not a task .*count, jsonl, parquet"):
-        make_task(TaskConfig(name="nope"), tokenizer)
+        make_task(TaskConfig.model_construct(name="nope", reward=""), tokenizer)
 
 
 def test_prompt_stream_epochs_and_restore(tmp_path, tokenizer):
