@@ -1,8 +1,8 @@
 """The Megatron-Core CPU patches: applied by one call, idempotent, each doing what its docstring says.
 
 Runs in a subprocess so that the patched torch.cuda does not leak into other tests. The parity tests in
-tests/dist exercise every patch end to end; the optimizer patches (and the shared-step fix, which needs a whole
-DistributedOptimizer) are exercised by the train-step and resume tests in tests/dist/test_train_step.py.
+tests/distributed exercise every patch end to end; the optimizer patches (and the shared-step fix, which needs a whole
+DistributedOptimizer) are exercised by the train-step and resume tests in tests/distributed/test_train_step.py.
 """
 
 from __future__ import annotations
