@@ -19,12 +19,13 @@ from megatron_rl.metrics import read_metrics
 from megatron_rl.tools.train import run_training
 
 
-def run(mode: str, steps: int, root: str) -> dict:
+def run(mode: str, steps: int, root: str, max_new_tokens: int) -> dict:
     """One run of the quickstart task at layout 1x1x1, trainer on core 0 and engine on core 1."""
     cfg = load_config(
         "configs/quickstart.yaml",
         [f"mode={mode}", f"steps={steps}", f"name={mode}", f"output_dir={root}", f"model.hf_path={root}/tiny",
-         "trainer.parallel.ep=1", "trainer.cpu_affinity=[0]", "rollout.cpu_affinity=[1]"],
+         "trainer.parallel.ep=1", "trainer.cpu_affinity=[0]", "rollout.cpu_affinity=[1]",
+         f"rollout.max_new_tokens={max_new_tokens}"],
     )  # fmt: skip
     run_training(cfg)
     records = read_metrics(f"{root}/{mode}/metrics.jsonl")
@@ -44,12 +45,13 @@ def main() -> None:
     """Run both modes and print the comparison."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (generation share of a step)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mrl-bench-async-") as root:
-        sync = run("sync", args.steps, root)
-        async_ = run("async", args.steps, root)
+        sync = run("sync", args.steps, root, args.max_new_tokens)
+        async_ = run("async", args.steps, root, args.max_new_tokens)
     print(json.dumps({
-        "steps": args.steps, "layout": "tp1-pp1-ep1", "trainer_cores": [0], "engine_cores": [1],
+        "steps": args.steps, "max_new_tokens": args.max_new_tokens, "layout": "tp1-pp1-ep1", "trainer_cores": [0], "engine_cores": [1],
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "async_tokens_per_s": round(async_["tokens_per_s"], 1),
         "speedup": round(async_["tokens_per_s"] / sync["tokens_per_s"], 3), "goal_speedup": 1.5,
         "sync": sync, "async": async_,
