@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.models.base import ModelArch, ParamRule
+from megatron_rl.models.base import ModelArch, ParamRule, require
 
 DECODER = "decoder.layers.{layer}."
 
@@ -105,6 +105,22 @@ def pre_mlp_norm_rule(layer: int) -> ParamRule:
         DECODER.format(layer=layer) + "pre_mlp_layernorm.weight",
         (f"model.layers.{layer}.post_attention_layernorm.weight",),
         layer=layer,
+    )
+
+
+def gqa_dims(hf_config: dict, where: str) -> dict:
+    """The ModelArch fields every GQA family reads the same way from its HF config."""
+    heads = int(require(hf_config, "num_attention_heads", where))
+    hidden = int(require(hf_config, "hidden_size", where))
+    return dict(
+        num_layers=int(require(hf_config, "num_hidden_layers", where)),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(hf_config.get("num_key_value_heads", heads)),
+        head_dim=int(hf_config.get("head_dim") or hidden // heads),
+        vocab_size=int(require(hf_config, "vocab_size", where)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf_config.get("attention_bias", False)),
     )
 
 

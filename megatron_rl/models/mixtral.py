@@ -16,23 +16,15 @@ class MixtralFamily(ModelFamily):
     def arch_from_hf(self, hf_config: dict) -> ModelArch:
         """Read layers, heads and experts; `intermediate_size` is each expert's width."""
         where = f"{self.name} config"
-        num_layers = int(require(hf_config, "num_hidden_layers", where))
-        heads = int(require(hf_config, "num_attention_heads", where))
-        hidden = int(require(hf_config, "hidden_size", where))
+        dims = common.gqa_dims(hf_config, where)
         ffn = int(require(hf_config, "intermediate_size", where))
         return ModelArch(
             family=self.name,
-            num_layers=num_layers,
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(hf_config.get("num_key_value_heads", heads)),
-            head_dim=int(hf_config.get("head_dim") or hidden // heads),
-            vocab_size=int(require(hf_config, "vocab_size", where)),
             ffn_hidden_size=ffn,
             num_experts=int(require(hf_config, "num_local_experts", where)),
             moe_ffn_hidden_size=ffn,
-            moe_layers=tuple(range(num_layers)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            moe_layers=tuple(range(dims["num_layers"])),
+            **dims,
         )
 
     def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:

@@ -16,19 +16,10 @@ class Qwen3Family(ModelFamily):
     def arch_from_hf(self, hf_config: dict) -> ModelArch:
         """Read layers, heads and MLP width."""
         where = f"{self.name} config"
-        heads = int(require(hf_config, "num_attention_heads", where))
-        hidden = int(require(hf_config, "hidden_size", where))
         return ModelArch(
             family=self.name,
-            num_layers=int(require(hf_config, "num_hidden_layers", where)),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(hf_config.get("num_key_value_heads", heads)),
-            head_dim=int(hf_config.get("head_dim") or hidden // heads),
-            vocab_size=int(require(hf_config, "vocab_size", where)),
             ffn_hidden_size=int(require(hf_config, "intermediate_size", where)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf_config.get("attention_bias", False)),
+            **common.gqa_dims(hf_config, where),
         )
 
     def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:

@@ -16,29 +16,22 @@ class Qwen3MoeFamily(ModelFamily):
     def arch_from_hf(self, hf_config: dict) -> ModelArch:
         """Read layers, heads, experts and the MoE layer pattern."""
         where = f"{self.name} config"
-        num_layers = int(require(hf_config, "num_hidden_layers", where))
-        heads = int(require(hf_config, "num_attention_heads", where))
-        hidden = int(require(hf_config, "hidden_size", where))
+        dims = common.gqa_dims(hf_config, where)
         num_experts = int(require(hf_config, ("num_experts", "num_local_experts"), where))
         sparse_step = int(hf_config.get("decoder_sparse_step", 1) or 1)
         dense_only = set(hf_config.get("mlp_only_layers") or [])
         moe_layers = tuple(
-            i for i in range(num_layers) if num_experts > 0 and i not in dense_only and (i + 1) % sparse_step == 0
+            i
+            for i in range(dims["num_layers"])
+            if num_experts > 0 and i not in dense_only and (i + 1) % sparse_step == 0
         )
         return ModelArch(
             family=self.name,
-            num_layers=num_layers,
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(hf_config.get("num_key_value_heads", heads)),
-            head_dim=int(hf_config.get("head_dim") or hidden // heads),
-            vocab_size=int(require(hf_config, "vocab_size", where)),
             ffn_hidden_size=int(require(hf_config, "intermediate_size", where)),
             num_experts=num_experts,
             moe_ffn_hidden_size=int(require(hf_config, "moe_intermediate_size", where)),
             moe_layers=moe_layers,
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf_config.get("attention_bias", False)),
+            **dims,
         )
 
     def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:

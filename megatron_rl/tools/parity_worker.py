@@ -6,18 +6,15 @@ cases while the default process group stays, which saves the process start-up pe
 
 from __future__ import annotations
 
-import gc
-import json
 import sys
-from pathlib import Path
 
 import torch
 
+from megatron_rl.tools.cases import run_cases
+
 
 def run_case(case: dict) -> None:
-    """Bring the rank up for one case, compute logprobs, let one last-stage rank write them, tear down."""
-    from megatron.core import parallel_state as ps
-
+    """Bring the rank up for one case, compute logprobs, and let one last-stage rank write them."""
     from megatron_rl.parallel.layout import ParallelLayout
     from megatron_rl.trainer.logprobs import forward_logprobs
     from megatron_rl.trainer.setup import bring_up_from_hf, bring_up_from_mcore
@@ -30,19 +27,11 @@ def run_case(case: dict) -> None:
     logprobs = forward_logprobs(rank.model, rank.ctx, torch.load(case["tokens"]))
     if logprobs is not None and rank.ctx.tp_rank == 0 and rank.ctx.dp_rank == 0:
         torch.save(logprobs.cpu(), case["out"])
-    del rank
-    gc.collect()
-    ps.destroy_model_parallel()
 
 
 def main(spec_path: str) -> None:
     """Run every case of the spec file in order."""
-    from megatron_rl.parallel.groups import destroy_distributed
-
-    spec = json.loads(Path(spec_path).read_text())
-    for case in spec["cases"]:
-        run_case(case)
-    destroy_distributed()
+    run_cases(spec_path, run_case)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ cases while the default process group stays (as in parity_worker).
 
 from __future__ import annotations
 
-import gc
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from megatron_rl.tools.cases import run_cases
 
 
 def load_batch(path: str):
@@ -80,8 +79,6 @@ def _load(state, case: dict) -> None:
 
 def run_case(case: dict) -> None:
     """Bring the rank up, run the steps, let the stats owner write the report, tear down."""
-    from megatron.core import parallel_state as ps
-
     from megatron_rl.config.schema import AlgorithmConfig, OptimizerConfig
     from megatron_rl.parallel.layout import ParallelLayout
     from megatron_rl.trainer.model import BuildOptions
@@ -108,19 +105,11 @@ def run_case(case: dict) -> None:
             _save(state, rank, case, i + 1)
     if _stats_owner(ctx):
         torch.save({"steps": steps, "evals": [e.cpu() for e in evals]}, case["out"])
-    del state, rank
-    gc.collect()
-    ps.destroy_model_parallel()
 
 
 def main(spec_path: str) -> None:
     """Run every case of the spec file in order."""
-    from megatron_rl.parallel.groups import destroy_distributed
-
-    spec = json.loads(Path(spec_path).read_text())
-    for case in spec["cases"]:
-        run_case(case)
-    destroy_distributed()
+    run_cases(spec_path, run_case)
 
 
 if __name__ == "__main__":
