@@ -80,6 +80,8 @@ class GenerationResult:
 
 def _engine_env(spec: EngineSpec) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
+    # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if spec.tensor_parallel * spec.data_parallel > 1:
         # vllm-cpu's automatic thread binding wants one NUMA node per worker and refuses otherwise ("Not enough
         # allowed NUMA nodes"); the engine shares its cores with the trainer anyway, so leave placement to the OS.
