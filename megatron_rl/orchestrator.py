@@ -122,8 +122,16 @@ def pull_groups(buffer, cfg: RunConfig, version: int, ctx) -> list:
     payload = [None]
     if ctx.rank == 0:
         groups = []
+        deadline = time.monotonic() + cfg.trainer.timeout_s
         while not groups:
-            groups = ray.get(buffer.get_batch.remote(cfg.prompts_per_step, version, 30.0), timeout=120)
+            if time.monotonic() > deadline:
+                stats = ray.get(buffer.stats.remote(), timeout=60)
+                raise TimeoutError(
+                    f"no batch of {cfg.prompts_per_step} groups within trainer.timeout_s={cfg.trainer.timeout_s:.0f} s "
+                    f"(buffer: buffered={stats.get('buffered')}, in_flight={stats.get('in_flight')}, "
+                    f"dropped={stats.get('dropped_by_reason')}); is generation running?"
+                )
+            groups = ray.get(buffer.get_batch.remote(cfg.prompts_per_step, version, 10.0), timeout=120)
         payload = [[g.to_dict() for g in groups]]
     dist.broadcast_object_list(payload, src=0)
     return [Group.from_dict(d) for d in payload[0]]

@@ -58,10 +58,13 @@ def engine_specs(cfg: RunConfig, hf_path: str) -> list:
 
 
 async def _drive(driver, proc, poll_s: float = 0.5) -> None:
-    """Run generation until the trainer process exits."""
+    """Run generation until the trainer process exits; a failed driver stops the trainer at once."""
     task = asyncio.create_task(driver.run())
     while proc.poll() is None and not task.done():
         await asyncio.sleep(poll_s)
+    if task.done() and task.exception() is not None:
+        stop_process_group(proc)
+        raise RuntimeError(f"generation driver failed: {task.exception()!r}") from task.exception()
     driver.stop()
     await asyncio.wait_for(task, timeout=120)
 
