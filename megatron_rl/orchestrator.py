@@ -59,15 +59,32 @@ class Trainer:
         self.cfg = cfg
         self.rank = bring_up_from_hf(cfg.model.hf_path, layout_of(cfg), opts, timeout_s=cfg.trainer.timeout_s)
         self.state = build_training(self.rank.model, cfg.trainer.optimizer, cfg.steps)
+        self.reference = self._reference_model(opts) if cfg.algorithm.kl_coef > 0 else None
+
+    def _reference_model(self, opts):
+        """A frozen copy of the starting policy at the same layout, for the KL penalty."""
+        from megatron_rl.models.hf_checkpoint import HFCheckpoint
+        from megatron_rl.trainer.hf_weights import load_hf_into_model
+        from megatron_rl.trainer.model import build_gpt_model
+
+        r = self.rank
+        model = build_gpt_model(r.family, r.arch, r.hf_config, r.ctx, opts)
+        load_hf_into_model(model, HFCheckpoint(self.cfg.model.hf_path), r.family, r.arch, r.ctx)
+        model.requires_grad_(False)
+        return model
 
     def step(self, batch) -> dict:
         """Proximal logprobs (decoupled objective), then one optimizer step."""
-        from megatron_rl.trainer.train_step import train_step, with_proximal_logprobs
+        from megatron_rl.trainer.train_step import compute_logprobs, train_step, with_proximal_logprobs
 
         mbs = self.cfg.trainer.micro_batch_size
         t0 = time.perf_counter()
         if self.cfg.algorithm.loss == "decoupled_ppo":
             batch = with_proximal_logprobs(self.state.model, self.rank.ctx, batch, mbs)
+        if self.reference is not None:
+            ref = compute_logprobs(self.reference, self.rank.ctx, batch.tokens, mbs)  # last stage only, like the loss
+            if ref is not None:
+                batch = batch.replace(ref_logprobs=ref.to(batch.behaviour_logprobs.dtype))
         stats = train_step(self.state, self.rank.ctx, batch, self.cfg.algorithm, mbs)
         stats["time/train_s"] = time.perf_counter() - t0
         return stats
@@ -87,7 +104,7 @@ def set_up(cfg: RunConfig, spec: dict):
     if is_rank0:
         join_ray(spec["ray_address"])
         buffer = ray.get_actor(spec["buffer"])
-        metrics = MetricsLogger(spec["run_dir"], cfg.steps, config=cfg.model_dump(mode="json"))
+        metrics = MetricsLogger(spec["run_dir"], cfg.steps, cfg.wandb_project, config=cfg.model_dump(mode="json"))
     handles = [
         EngineHandle(name, ray.get_actor(name) if is_rank0 else None, workers) for name, workers in spec["engines"]
     ]

@@ -216,6 +216,8 @@ class RunConfig(Section):
     """Optimizer steps to run."""
     prompts_per_step: int = Field(8, ge=1)
     """Prompts (groups) per training step."""
+    wandb_project: str = ""
+    """Also log metrics to this Weights & Biases project (empty: JSONL and TensorBoard only)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

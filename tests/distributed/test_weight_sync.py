@@ -46,6 +46,8 @@ def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
 def test_dead_engine_fails_the_sync_within_its_timeout_and_is_named(tiny_dir):
     start = time.monotonic()
     with pytest.raises(LaunchError, match="engine-1") as info:
-        run_sync_check(tiny_dir("qwen3_moe"), ParallelLayout(), engines=2, syncs=1, kill_engine="engine-1", timeout_s=60)
+        run_sync_check(
+            tiny_dir("qwen3_moe"), ParallelLayout(), engines=2, syncs=1, kill_engine="engine-1", timeout_s=60
+        )
     assert "weight update to version 1 failed" in str(info.value)
     assert time.monotonic() - start < 400
