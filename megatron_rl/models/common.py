@@ -124,20 +124,27 @@ def gqa_dims(hf_config: dict, where: str) -> dict:
     )
 
 
-def gqa_config_kwargs(arch: ModelArch, hf_config: dict, qk_norm: bool) -> dict:
-    """TransformerConfig keyword arguments common to the GQA + SwiGLU + RMSNorm families."""
-    kwargs = dict(
+def base_config_kwargs(arch: ModelArch, hf_config: dict) -> dict:
+    """TransformerConfig keyword arguments every family here shares: RMSNorm, SwiGLU, no linear biases."""
+    return dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
         ffn_hidden_size=arch.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
         activation_func="silu",
         gated_linear_unit=True,
         add_bias_linear=False,
+    )
+
+
+def gqa_config_kwargs(arch: ModelArch, hf_config: dict, qk_norm: bool) -> dict:
+    """TransformerConfig keyword arguments common to the GQA + SwiGLU + RMSNorm families."""
+    kwargs = base_config_kwargs(arch, hf_config)
+    kwargs.update(
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=qk_norm,
     )

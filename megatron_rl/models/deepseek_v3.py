@@ -86,16 +86,8 @@ class DeepseekV3Family(ModelFamily):
         """MLATransformerConfig kwargs: plain rope (YaRN only when the checkpoint asks), sigmoid grouped router."""
         scaling = hf_config.get("rope_scaling") or {}
         rope_type = "yarn" if scaling.get("type", scaling.get("rope_type")) == "yarn" else "rope"
-        kwargs = dict(
-            num_layers=arch.num_layers,
-            hidden_size=arch.hidden_size,
-            num_attention_heads=arch.num_heads,
-            ffn_hidden_size=arch.ffn_hidden_size,
-            normalization="RMSNorm",
-            layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
-            activation_func="silu",
-            gated_linear_unit=True,
-            add_bias_linear=False,
+        kwargs = common.base_config_kwargs(arch, hf_config)
+        kwargs.update(
             qk_layernorm=True,
             multi_latent_attention=True,
             q_lora_rank=arch.get("q_lora_rank") or None,
