@@ -54,6 +54,8 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
         "plain_seconds": round(raw_s, 4),
         "plain_gb_per_s": round(nbytes / raw_s / 1e9, 4),
         "ratio": round(raw_s / sync_s, 3),
+        "engine_receive_load_seconds": [round(w["seconds"], 3) for ws in report["engine_side"] for w in ws],
+        "engine_repack_seconds": [round(w["finish_seconds"], 3) for ws in report["engine_side"] for w in ws],
     }
 
 

@@ -103,14 +103,17 @@ def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
     """Timed syncs (gather + pack + send + load, engines acknowledged) vs plain broadcasts of the same bytes."""
     from megatron_rl.weights.sync import push_raw
 
-    sync_s, raw_s = [], []
+    sync_s, raw_s, engine_side = [], [], []
     push_raw(sync, setup["bytes"], sync.bucket_bytes)  # warm-up: first use of the sockets
     for version in range(1, spec["bench"]["repeats"] + 1):
         perturb_weights(rank, seed=version, scale=spec["noise"])
         dist.barrier()
-        sync_s.append(sync.push(version)["seconds"])
+        pushed = sync.push(version)
+        sync_s.append(pushed["seconds"])
+        if rank.ctx.rank == 0:
+            engine_side.append([w for r in pushed["engines"].values() for w in r["workers"]])
         raw_s.append(push_raw(sync, setup["bytes"], sync.bucket_bytes))
-    return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s}
+    return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "engine_side": engine_side}
 
 
 def main(spec_path: str) -> None:

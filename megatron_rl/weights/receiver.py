@@ -38,18 +38,30 @@ class WeightReceiver:
             raise TransportError("receive before joining the weight groups")
         start = time.perf_counter()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        plan = plan_from_json(plan_json)
         received = 0
         tensors = 0
-        for bucket in plan_from_json(plan_json):
-            group = self.groups.get(bucket.owner)
-            if group is None:
-                raise TransportError(f"no weight group for sender {bucket.owner} (bucket {bucket.index})")
-            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-            wait(group.broadcast(buffer, src=0), f"bucket {bucket.index}", group)
+        pending = self._post(plan[0], device) if plan else None
+        for i, bucket in enumerate(plan):
+            buffer, work, group = pending
+            wait(work, f"bucket {bucket.index}", group)
+            # Post the next receive before loading this bucket, so the transfer overlaps the load.
+            pending = self._post(plan[i + 1], device) if i + 1 < len(plan) else None
             tensors += loader.load(bucket_io.unpack(buffer, bucket, version))
             received += bucket.nbytes
+        finish_start = time.perf_counter()
         loader.finish()
-        return {"version": version, "bytes": received, "tensors": tensors, "seconds": time.perf_counter() - start}
+        end = time.perf_counter()
+        return {"version": version, "bytes": received, "tensors": tensors, "seconds": end - start,
+                "finish_seconds": end - finish_start}  # fmt: skip
+
+    def _post(self, bucket, device) -> tuple:
+        """Start receiving one bucket: (buffer, work, group)."""
+        group = self.groups.get(bucket.owner)
+        if group is None:
+            raise TransportError(f"no weight group for sender {bucket.owner} (bucket {bucket.index})")
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        return buffer, group.broadcast(buffer, src=0), group
 
     def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int) -> dict:
         """Baseline for benchmarks: receive `nbytes` from `sender` in chunks, loading nothing."""
