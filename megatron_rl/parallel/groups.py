@@ -47,6 +47,11 @@ class ParallelContext:
         return self.pp_rank == self.layout.pp - 1
 
 
+def compute_device() -> torch.device:
+    """This process's accelerator (the current CUDA device), or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def backend_for_device() -> str:
     """NCCL when CUDA is available, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -76,7 +81,7 @@ def init_distributed(layout: ParallelLayout, timeout_s: float = 600.0, seed: int
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = compute_device()
     ctx = ParallelContext(
         layout=layout,
         rank=dist.get_rank(),

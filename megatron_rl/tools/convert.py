@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 from megatron_rl.models import family_for_hf_config, read_hf_config
-from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_tensor_names, staging_folder
+from megatron_rl.models.hf_checkpoint import HFCheckpoint, staging_folder
 from megatron_rl.parallel.layout import ParallelLayout, check_layout_fits_model
 from megatron_rl.parallel.torchrun import run_torchrun
 from megatron_rl.tools.convert_worker import TIMING_TAG
 from megatron_rl.trainer.checkpoint import read_hf_config_of, read_meta
+from megatron_rl.trainer.hf_weights import check_checkpoint_names
 
 WORKER = "megatron_rl.tools.convert_worker"
-IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def _launch(spec: dict, nproc: int, timeout_s: float) -> dict:
@@ -45,7 +45,7 @@ def hf_to_mcore(
     arch = family.arch_from_hf(hf_config)
     check_layout_fits_model(layout, arch)
     ckpt = HFCheckpoint(hf_dir)
-    check_tensor_names(ckpt, (n for r in family.rule_table(arch).values() for n in r.hf), IGNORED_HF_SUFFIXES)
+    check_checkpoint_names(ckpt, family.rule_table(arch))
     with staging_folder(out, overwrite=overwrite) as tmp:
         spec = {"direction": "hf-to-mcore", "hf": str(hf_dir), "out": str(tmp), "layout": layout.__dict__}
         timing = _launch(spec, layout.world_size, timeout_s)

@@ -64,6 +64,11 @@ def build_local_tensor(ckpt: HFCheckpoint, rule: ParamRule, arch: ModelArch, ctx
         raise CheckpointError(f"{ckpt.folder}: {shapes} do not fit Megatron {rule.mcore} ({err})") from None
 
 
+def check_checkpoint_names(ckpt: HFCheckpoint, table: dict[str, ParamRule]) -> None:
+    """Raise a CheckpointError naming the tensors the parameter map expects but the checkpoint lacks, or extras."""
+    check_tensor_names(ckpt, (n for r in table.values() for n in r.hf), IGNORED_HF_SUFFIXES)
+
+
 def load_hf_into_model(
     model, ckpt: HFCheckpoint, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, progress: bool = False
 ) -> int:
@@ -73,7 +78,7 @@ def load_hf_into_model(
     mismatch that cannot be cast, before any parameter is half-written where possible.
     """
     table = family.rule_table(arch, te_spec=uses_te_spec(model))
-    check_tensor_names(ckpt, (n for r in table.values() for n in r.hf), IGNORED_HF_SUFFIXES)
+    check_checkpoint_names(ckpt, table)
     layer_offset, expert_offset = local_offsets(model, ctx, arch)
     nbytes = 0
     with torch.no_grad():

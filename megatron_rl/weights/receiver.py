@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from megatron_rl.parallel.groups import compute_device
 from megatron_rl.weights import buckets as bucket_io
 from megatron_rl.weights.plan import plan_from_json
 from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
@@ -37,7 +38,7 @@ class WeightReceiver:
         if not self.groups:
             raise TransportError("receive before joining the weight groups")
         start = time.perf_counter()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = compute_device()
         plan = plan_from_json(plan_json)
         received = 0
         tensors = 0

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_rl.models import ModelArch, ModelFamily
 from megatron_rl.models.naming import canonical_name
-from megatron_rl.parallel.groups import ParallelContext
+from megatron_rl.parallel.groups import ParallelContext, compute_device
 from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords, uses_te_spec
 from megatron_rl.weights import buckets as bucket_io
 from megatron_rl.weights.gather import is_owner, iter_hf_tensors
@@ -71,7 +71,7 @@ def send_update(
     """Gather this rank's tensors and broadcast its buckets on `group` (None for ranks that own nothing)."""
     start = time.perf_counter()
     mine = [b for b in plan if b.owner == ctx.rank]
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = compute_device()
     buffers = bucket_io.DoubleBuffer(max((b.nbytes for b in mine), default=0), device) if mine else None
     queue = iter(mine)
     current = next(queue, None)

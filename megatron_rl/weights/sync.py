@@ -7,7 +7,6 @@ buckets on its own weight group. Every remote call and transfer has a deadline, 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import time
 
 import torch.distributed as dist
@@ -141,11 +140,6 @@ def _groups_json(specs: list[GroupSpec]) -> str:
     import json
 
     return json.dumps([s.to_dict() for s in specs])
-
-
-def local_host() -> str:
-    """The address engines on this machine reach the trainer at (loopback unless configured otherwise)."""
-    return socket.gethostbyname("localhost")
 
 
 def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int) -> float:
