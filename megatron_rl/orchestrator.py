@@ -10,32 +10,29 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
+from megatron_rl.recovery import RecoveringSync
+from megatron_rl.run_state import ResumeError, is_due, load_rng, mark_latest, save_rng, step_dir, write_run_state
 
 
 def train_loop(cfg: RunConfig, spec: dict) -> None:
     """Pull a batch, recompute proximal logprobs, take an optimizer step, push the new weights; repeat."""
-    trainer, buffer, sync, metrics = set_up(cfg, spec)
-    engines = EngineMeter(sync.engines) if trainer.rank.ctx.rank == 0 else None
-    version = 0
-    for step in range(1, cfg.steps + 1):
+    run = Run(cfg, spec)
+    for step in range(run.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        groups = pull_groups(buffer, cfg, version, trainer.rank.ctx)  # waits only when the buffer is empty
+        groups = run.next_batch()  # waits only when the buffer is empty; follows engine restarts
         t_data = time.perf_counter() - t0
-        batch = to_train_batch(groups, cfg, trainer)
-        stats = trainer.step(batch)
-        version = step
-        sync_report = sync.push(version)
-        if trainer.rank.ctx.rank == 0:
-            buffer.set_trainer_version.remote(version)
-            step_s = time.perf_counter() - t0
-            record = collect_metrics(groups, stats, sync_report, buffer, version, t_data, step_s)
-            metrics.log(step, record | engines.measure())
-    finish(cfg, trainer, metrics, spec)
+        stats = run.trainer.step(to_train_batch(groups, cfg, run.trainer))
+        if cfg.checkpoint.save_dir and is_due(step, cfg.checkpoint.save_interval, cfg.steps):
+            run.save_checkpoint(step)  # before the engines see version `step`: see run_state.py
+        sync_report = run.sync.push(step)
+        run.finish_step(step, groups, stats, sync_report, t_data, time.perf_counter() - t0)
+    run.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -89,30 +86,140 @@ class Trainer:
         stats["time/train_s"] = time.perf_counter() - t0
         return stats
 
+    def save(self, folder: Path, step: int) -> None:
+        """(Every rank) model, optimizer (layout-independent), LR scheduler and this rank's RNG into `folder`."""
+        from megatron_rl.trainer.checkpoint import save_checkpoint
 
-def set_up(cfg: RunConfig, spec: dict):
-    """Trainer, buffer handle (rank 0), weight sync with every engine, metrics logger (rank 0)."""
-    import ray
+        r = self.rank
+        meta = {"family": r.family.name, "dtype": self.cfg.model.dtype, "layout": r.ctx.layout.describe(), "step": step}
+        extra = {"scheduler": self.state.scheduler.state_dict(), "step": step}
+        save_checkpoint(
+            self.state.model, r.ctx, folder, meta, hf_dir=self.cfg.model.hf_path, optimizer=self.state.optimizer,
+            extra=extra,
+        )  # fmt: skip
+        save_rng(folder, r.ctx.rank)
 
-    from megatron_rl.metrics import MetricsLogger
-    from megatron_rl.rollout.ray_utils import join_ray
-    from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync
+    def load(self, folder: Path) -> int:
+        """(Every rank) continue from a run checkpoint (saved at any layout); returns its step."""
+        from megatron_rl.trainer.checkpoint import load_checkpoint
 
-    trainer = Trainer(cfg)
-    is_rank0 = trainer.rank.ctx.rank == 0
-    buffer, metrics = None, None
-    if is_rank0:
-        join_ray(spec["ray_address"])
-        buffer = ray.get_actor(spec["buffer"])
-        metrics = MetricsLogger(spec["run_dir"], cfg.steps, cfg.wandb_project, config=cfg.model_dump(mode="json"))
-    handles = [
-        EngineHandle(name, ray.get_actor(name) if is_rank0 else None, workers) for name, workers in spec["engines"]
-    ]
-    sync = TrainerWeightSync(
-        _WeightView(trainer), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s, inflight=_inflight_mode(cfg)
-    )
-    sync.setup()
-    return trainer, buffer, sync, metrics
+        extra = load_checkpoint(self.state.model, folder, optimizer=self.state.optimizer)
+        if extra is None or "scheduler" not in extra:
+            raise ResumeError(f"{folder}: the trainer checkpoint has no LR scheduler state (extra.pt)")
+        self.state.scheduler.load_state_dict(extra["scheduler"])
+        load_rng(folder, self.rank.ctx.rank)
+        return int(extra["step"])
+
+
+class Run:
+    """One trainer rank's view of the run: trainer, weight sync, and (rank 0) buffer, run control and metrics."""
+
+    def __init__(self, cfg: RunConfig, spec: dict):
+        import ray
+
+        from megatron_rl.metrics import MetricsLogger
+        from megatron_rl.rollout.ray_utils import join_ray
+        from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync
+
+        self.cfg, self.spec = cfg, spec
+        self.trainer = Trainer(cfg)
+        self.is_rank0 = self.trainer.rank.ctx.rank == 0
+        self.buffer = self.control = self.metrics = self.meter = None
+        if self.is_rank0:
+            join_ray(spec["ray_address"])
+            self.buffer = ray.get_actor(spec["buffer"])
+            self.control = ray.get_actor(spec["control"])
+        resume = spec.get("resume_from")
+        self.step = self.trainer.load(Path(resume)) if resume else 0
+        handles = [
+            EngineHandle(name, ray.get_actor(name) if self.is_rank0 else None, workers)
+            for name, workers in spec["engines"]
+        ]
+        sync = TrainerWeightSync(
+            _WeightView(self.trainer), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s,
+            host=cfg.sync.bind_host, inflight=_inflight_mode(cfg),
+        )  # fmt: skip
+        sync.setup()
+        self.sync = RecoveringSync(sync, self.control, cfg.sync.timeout_s)
+        if self.step:  # the engines start from the HF weights: bring them to the resumed ones
+            self.sync.push(self.step)
+        if self.is_rank0:
+            self.buffer.set_trainer_version.remote(self.step)
+            self.metrics = MetricsLogger(
+                spec["run_dir"], cfg.steps, cfg.wandb_project, config=cfg.model_dump(mode="json")
+            )
+            self.meter = EngineMeter(lambda: self.sync.sync.engines)
+            self._report("running")
+
+    def _report(self, state: str, message: str = "") -> None:
+        import ray
+
+        ray.get(self.control.report_trainer.remote(state, self.step, message), timeout=60)
+
+    def next_batch(self) -> list:
+        """The step's groups on every rank (sorted by prompt index, so a batch's order does not depend on timing).
+
+        Rank 0 waits for the buffer; when the launcher restarted an engine meanwhile, every rank re-forms the
+        weight groups and brings it to the current weights first (in sync mode nothing else would).
+        """
+        from megatron_rl.rollout.types import Group
+
+        while True:
+            payload = [self._wait_for_batch() if self.is_rank0 else None]
+            dist.broadcast_object_list(payload, src=0)
+            kind, data = payload[0]
+            if kind == "groups":
+                return sorted((Group.from_dict(d) for d in data), key=lambda g: g.prompt_index)
+            self.sync.resync(data, self.step)
+
+    def _wait_for_batch(self) -> tuple[str, object]:
+        import ray
+
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.trainer.timeout_s
+        while time.monotonic() < deadline:
+            roster = self.sync.roster_changed()
+            if roster is not None:
+                return "roster", roster
+            groups = ray.get(self.buffer.get_batch.remote(cfg.prompts_per_step, self.step, 2.0), timeout=120)
+            if groups:
+                return "groups", [g.to_dict() for g in groups]
+            self._report("running")  # the launcher's watchdog: waiting for data is not being dead
+        stats = ray.get(self.buffer.stats.remote(), timeout=60)
+        raise TimeoutError(
+            f"no batch of {cfg.prompts_per_step} groups within trainer.timeout_s={cfg.trainer.timeout_s:.0f} s "
+            f"(buffer: buffered={stats.get('buffered')}, in_flight={stats.get('in_flight')}, "
+            f"dropped={stats.get('dropped_by_reason')}); is generation running?"
+        )
+
+    def save_checkpoint(self, step: int) -> None:
+        """(Every rank) the whole-run checkpoint of `step`: trainer state, RNG, buffer contents and data position."""
+        import ray
+
+        folder = step_dir(self.cfg.checkpoint.save_dir, step)
+        self.trainer.save(folder, step)
+        if self.is_rank0:
+            write_run_state(folder, step, ray.get(self.buffer.state_dict.remote(), timeout=120))
+        dist.barrier()
+        if self.is_rank0:
+            mark_latest(self.cfg.checkpoint.save_dir, folder)
+
+    def finish_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float) -> None:
+        """The new version is out: tell the buffer and run control, log the step's metrics (rank 0)."""
+        self.step = step
+        if not self.is_rank0:
+            return
+        self.buffer.set_trainer_version.remote(step)
+        self._report("running")
+        record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s)
+        record["sync/resyncs"] = self.sync.resyncs
+        self.metrics.log(step, record | self.meter.measure())
+
+    def close(self) -> None:
+        """Report the end of training and close the metrics."""
+        if self.is_rank0:
+            self._report("done")
+            self.metrics.close()
 
 
 class _WeightView:
@@ -128,30 +235,6 @@ class _WeightView:
 
 def _inflight_mode(cfg: RunConfig) -> str:
     return "keep" if cfg.sync.inflight == "pause" else "abort"
-
-
-def pull_groups(buffer, cfg: RunConfig, version: int, ctx) -> list:
-    """Rank 0 waits for a batch of groups; every rank receives them (as plain dicts, then rebuilt)."""
-    import ray
-
-    from megatron_rl.rollout.types import Group
-
-    payload = [None]
-    if ctx.rank == 0:
-        groups = []
-        deadline = time.monotonic() + cfg.trainer.timeout_s
-        while not groups:
-            if time.monotonic() > deadline:
-                stats = ray.get(buffer.stats.remote(), timeout=60)
-                raise TimeoutError(
-                    f"no batch of {cfg.prompts_per_step} groups within trainer.timeout_s={cfg.trainer.timeout_s:.0f} s "
-                    f"(buffer: buffered={stats.get('buffered')}, in_flight={stats.get('in_flight')}, "
-                    f"dropped={stats.get('dropped_by_reason')}); is generation running?"
-                )
-            groups = ray.get(buffer.get_batch.remote(cfg.prompts_per_step, version, 10.0), timeout=120)
-        payload = [[g.to_dict() for g in groups]]
-    dist.broadcast_object_list(payload, src=0)
-    return [Group.from_dict(d) for d in payload[0]]
 
 
 def to_train_batch(groups: list, cfg: RunConfig, trainer: Trainer):
@@ -189,60 +272,88 @@ def collect_metrics(groups, stats: dict, sync_report: dict, buffer, version: int
 
 
 class EngineMeter:
-    """Engine idle fraction and generated tokens/s between two calls, from the engines' own counters."""
+    """Engine idle fraction and generated tokens/s between two calls, from the engines' own counters.
 
-    def __init__(self, handles):
+    An engine that does not answer (dead, being restarted) is left out; a restarted one's counters start at 0.
+    """
+
+    def __init__(self, handles: Callable[[], list]):
         self.handles = handles
-        self.last = self._snapshot()
+        self.last_time, self.last = time.perf_counter(), self._snapshot()
 
-    def _snapshot(self) -> tuple[float, float, float]:
+    def _snapshot(self) -> dict[str, tuple[float, float]]:
         import ray
 
-        reports = ray.get([h.actor.health.remote() for h in self.handles], timeout=60)
-        busy = sum(r["busy_seconds"] for r in reports)
-        tokens = sum(r["generated_tokens"] for r in reports)
-        return time.perf_counter(), busy, tokens
+        counters = {}
+        for handle in self.handles():
+            try:
+                report = ray.get(handle.actor.health.remote(), timeout=10)
+            except Exception:  # a dead engine: the supervisor restarts it; metrics go on without it
+                continue
+            counters[handle.name] = (report["busy_seconds"], report["generated_tokens"])
+        return counters
 
     def measure(self) -> dict:
         """Metrics since the previous call."""
-        now = self._snapshot()
-        wall = max(1e-9, now[0] - self.last[0])
-        busy, tokens = now[1] - self.last[1], now[2] - self.last[2]
-        self.last = now
+        now_time, now = time.perf_counter(), self._snapshot()
+        wall = max(1e-9, now_time - self.last_time)
+        busy = tokens = 0.0
+        for name, (b, t) in now.items():
+            b0, t0 = self.last.get(name, (0.0, 0.0))
+            restarted = b < b0 or t < t0
+            busy += b if restarted else b - b0
+            tokens += t if restarted else t - t0
+        self.last_time, self.last = now_time, now
         return {
-            "time/engine_idle_frac": max(0.0, 1.0 - busy / (wall * len(self.handles))),
+            "time/engine_idle_frac": max(0.0, 1.0 - busy / (wall * max(1, len(now)))),
             "throughput/generated_tokens_per_s": tokens / wall,
+            "engines/answering": len(now),
         }
-
-
-def finish(cfg: RunConfig, trainer: Trainer, metrics, spec: dict) -> None:
-    """Save the final distributed checkpoint if configured; close the metrics."""
-    if cfg.checkpoint.save_dir:
-        from megatron_rl.trainer.checkpoint import save_checkpoint
-
-        meta = {
-            "family": trainer.rank.family.name,
-            "dtype": cfg.model.dtype,
-            "layout": trainer.rank.ctx.layout.describe(),
-            "step": cfg.steps,
-        }
-        save_checkpoint(
-            _WeightView(trainer).model, trainer.rank.ctx, cfg.checkpoint.save_dir, meta, hf_dir=cfg.model.hf_path
-        )
-    if metrics is not None:
-        metrics.close()
 
 
 def main(spec_path: str) -> None:
-    """Entry point of each torchrun process."""
+    """Entry point of each torchrun process (launched by `megatron-rl train`, or by hand/SLURM with
+    `--external-trainer`, in which case the spec file may not exist yet)."""
     from megatron_rl.parallel.groups import destroy_distributed
 
-    spec = json.loads(Path(spec_path).read_text())
+    spec = json.loads(wait_for_file(Path(spec_path), float(os.environ.get("MRL_SPEC_WAIT_S", "900"))).read_text())
     cfg = RunConfig.model_validate(spec["config"])
     if cfg.trainer.cpu_affinity:
         os.sched_setaffinity(0, set(cfg.trainer.cpu_affinity))
-    train_loop(cfg, spec)
+    try:
+        train_loop(cfg, spec)
+    except BaseException as err:
+        report_failure(spec, err)
+        raise
     destroy_distributed()
+
+
+def report_failure(spec: dict, err: BaseException) -> None:
+    """(Rank 0) tell the launcher why the trainer stops, so it need not wait out its watchdog; best effort."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        import ray
+
+        from megatron_rl.rollout.ray_utils import join_ray
+
+        join_ray(spec["ray_address"])
+        message = f"rank 0: {type(err).__name__}: {str(err).splitlines()[0][:500] if str(err) else ''}"
+        ray.get(ray.get_actor(spec["control"]).report_failure.remote(message), timeout=30)
+    except Exception:  # noqa: S110 (the original error is what matters; it is re-raised)
+        pass
+
+
+def wait_for_file(path: Path, timeout_s: float) -> Path:
+    """`path` once it exists (the launcher writes the spec after Ray and the engines are up)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(
+                f"{path}: the trainer spec did not appear within {timeout_s:.0f} s (MRL_SPEC_WAIT_S)"
+            )
+        time.sleep(0.5)
+    return path
 
 
 if __name__ == "__main__":

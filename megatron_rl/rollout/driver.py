@@ -18,6 +18,16 @@ from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.types import Group, Sample
 
 MODE_LAG = {"sync": 0, "one_step_off": 1}
+SEED_STRIDE = 1 << 12  # samples per prompt that get distinct seeds; far above any group size in use
+
+
+def request_seed(base_seed: int, prompt_index: int, sample: int) -> int:
+    """The sampling seed of one response: fixed by the run seed, the prompt's data position and the sample.
+
+    Fixed per request (not drawn from the engine's stream) so that what a prompt generates does not depend on
+    which engine or batch it lands in, or on a restart: a resumed sync-mode run repeats the uninterrupted one.
+    """
+    return (base_seed * 1_000_003 + prompt_index * SEED_STRIDE + sample) % (1 << 63)
 
 
 def mode_lag(mode: str, max_staleness: int) -> int:
@@ -34,6 +44,7 @@ class DriverStats:
     dropped_by_buffer: int = 0
     requeued: int = 0
     engine_failures: int = 0
+    engine_restarts: int = 0
     generated_tokens: int = 0
     gate_wait_s: float = 0.0
 
@@ -54,6 +65,18 @@ class GenerationDriver:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reward")
         self._claim_lock = asyncio.Lock()
         self.failure: BaseException | None = None
+        self.down: dict[str, str] = {}
+        """Engines found dead (name -> why); their workers wait until the supervisor brings them back."""
+
+    def mark_down(self, engine: str, reason: str) -> None:
+        """Stop routing prompts to `engine` (its in-flight prompts are requeued by their workers)."""
+        self.down.setdefault(engine, reason)
+
+    def bring_back(self, engine: str, actor) -> None:
+        """Route prompts to `engine` again, now served by `actor` (a restarted engine at current weights)."""
+        self.engines[engine] = actor
+        self.down.pop(engine, None)
+        self.stats.engine_restarts += 1
 
     def stop(self) -> None:
         """Ask every worker to finish its current group and exit."""
@@ -91,15 +114,20 @@ class GenerationDriver:
 
     async def _worker(self, engine: str) -> None:
         while not self._stop.is_set():
+            if engine in self.down:  # claim nothing for a dead engine: the prompt would only be requeued
+                await asyncio.sleep(0.2)
+                continue
             claimed = await self._claim()
             if claimed is None:
                 return
             index, record = claimed
             try:
-                results = await self._generate(engine, record)
+                results = await self._generate(engine, index, record)
             except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
                 self.stats.engine_failures += 1
                 self.stats.requeued += 1
+                if _is_actor_death(err):
+                    self.mark_down(engine, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
                 await self.buffer.requeue.remote(index, f"{engine}: {type(err).__name__}")
                 self.failure = err
                 await asyncio.sleep(0.5)
@@ -109,7 +137,7 @@ class GenerationDriver:
             self.stats.groups += int(accepted)
             self.stats.dropped_by_buffer += int(not accepted)
 
-    async def _generate(self, engine: str, record: dict) -> list:
+    async def _generate(self, engine: str, index: int, record: dict) -> list:
         rollout = self.cfg.rollout
         eos = getattr(self.tokenizer, "eos_token_id", None)
         requests = [
@@ -119,8 +147,9 @@ class GenerationDriver:
                 temperature=rollout.temperature,
                 top_p=rollout.top_p,
                 stop_token_ids=[eos] if eos is not None else [],
+                seed=request_seed(self.cfg.trainer.seed, index, sample),
             )
-            for _ in range(rollout.samples_per_prompt)
+            for sample in range(rollout.samples_per_prompt)
         ]
         results = await asyncio.gather(*(self.engines[engine].generate.remote(r) for r in requests))
         self.stats.generated_tokens += sum(len(r.token_ids) for r in results)
@@ -136,3 +165,10 @@ class GenerationDriver:
             sample.metadata["sample"] = i
             samples.append(sample)
         return Group(index, samples)
+
+
+def _is_actor_death(err: BaseException) -> bool:
+    """Whether `err` says the engine's actor process is gone (rather than that one request failed)."""
+    import ray
+
+    return isinstance(err, ray.exceptions.RayActorError)

@@ -61,6 +61,9 @@ class GenerationRequest:
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    seed: int | None = None
+    """Per-request sampling seed: the same seed and weights give the same response whatever else the engine is
+    running (what makes a resumed run repeat the uninterrupted one); None samples from the engine's stream."""
 
 
 @dataclasses.dataclass
@@ -142,7 +145,7 @@ class VLLMEngine:
             raise EngineError(f"engine {self.spec.name}: not started")
         return self._llm
 
-    def _sampling_params(self, req: GenerationRequest, max_tokens: int):
+    def _sampling_params(self, req: GenerationRequest, max_tokens: int, continuation: int = 0):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -155,6 +158,8 @@ class VLLMEngine:
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
+            # A continuation after an abort draws a fresh stream: reusing the seed would repeat the first tokens.
+            seed=None if req.seed is None else req.seed + 7919 * continuation,
         )
 
     def _mark_busy(self, delta: int) -> None:
@@ -184,7 +189,7 @@ class VLLMEngine:
                 await self._resumed.wait()
                 sub_id = f"{req.request_id}-{continuations}"
                 prompt = {"prompt_token_ids": list(req.prompt_ids) + tokens}
-                params = self._sampling_params(req, req.max_tokens - len(tokens))
+                params = self._sampling_params(req, req.max_tokens - len(tokens), continuations)
                 finish = None
                 self._running.add(sub_id)
                 try:

@@ -30,7 +30,6 @@ class EnginePool:
         """Reserve the placement group, create the actors and start vLLM in each; errors name the engine."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.placement_group = placement_group([self._bundle(s) for s in self.specs], strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_s)
@@ -38,18 +37,51 @@ class EnginePool:
             raise RuntimeError(
                 f"engine placement group {self.placement_group.bundle_specs} not ready in {timeout_s:.0f} s"
             )
-        actor_cls = ray.remote(VLLMEngine)
         for index, spec in enumerate(self.specs):
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
-            self.actors[spec.name] = actor_cls.options(
+            self.actors[spec.name] = self._create_actor(index, spec)
+        futures = {name: actor.start.remote() for name, actor in self.actors.items()}
+        return list(ray_get_named(futures, timeout_s, "starting vLLM").values())
+
+    def _create_actor(self, index: int, spec: EngineSpec):
+        """The engine actor of `spec` in its placement-group bundle (vLLM not yet started)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
+        return (
+            ray.remote(VLLMEngine)
+            .options(
                 name=spec.name,
                 num_cpus=self.cpus_per_engine,
                 num_gpus=self._bundle(spec).get("GPU", 0),
                 scheduling_strategy=strategy,
                 max_concurrency=1000,
-            ).remote(spec)
-        futures = {name: actor.start.remote() for name, actor in self.actors.items()}
-        return list(ray_get_named(futures, timeout_s, "starting vLLM").values())
+            )
+            .remote(spec)
+        )
+
+    def restart(self, name: str, timeout_s: float = 600.0):
+        """Replace engine `name` (dead or alive) by a fresh actor of the same name in the same bundle, with vLLM
+        started from the spec's checkpoint; returns the new actor. Its weights are the start-up ones: the trainer
+        brings it to the current version."""
+        import ray
+
+        index = next((i for i, s in enumerate(self.specs) if s.name == name), None)
+        if index is None:
+            raise KeyError(f"restart: no engine named {name!r} (engines: {[s.name for s in self.specs]})")
+        ray.kill(self.actors[name], no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        while True:  # Ray frees the name of a killed actor asynchronously
+            try:
+                actor = self._create_actor(index, self.specs[index])
+                break
+            except ValueError as err:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"restart of {name}: its name is still taken after {timeout_s:.0f} s") from err
+                time.sleep(0.5)
+        self.actors[name] = actor
+        ray_get_named({name: actor.start.remote()}, max(1.0, deadline - time.monotonic()), f"restarting {name}")
+        return actor
 
     def handles(self) -> list[EngineHandle]:
         """What the trainer's weight sync needs of each engine."""

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.parallel.torchrun import log_failure, start_torchrun, stop_process_group
+from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
+from megatron_rl.run_state import ResumeError
 
 ORCHESTRATOR = "megatron_rl.orchestrator"
 BUFFER_NAME = "rollout-buffer"
@@ -23,7 +24,10 @@ BUFFER_NAME = "rollout-buffer"
 def layout_of(cfg: RunConfig) -> ParallelLayout:
     """The trainer layout of a run config."""
     p = cfg.trainer.parallel
-    return ParallelLayout(tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, dp=p.dp)
+    return ParallelLayout(
+        tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, dp=p.dp,
+        first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+    )  # fmt: skip
 
 
 def ensure_model(cfg: RunConfig) -> str:
@@ -57,32 +61,105 @@ def engine_specs(cfg: RunConfig, hf_path: str) -> list:
     ]  # fmt: skip
 
 
-async def _drive(driver, proc, poll_s: float = 0.5) -> None:
-    """Run generation until the trainer process exits; a failed driver stops the trainer at once."""
-    task = asyncio.create_task(driver.run())
-    while proc.poll() is None and not task.done():
+class LocalTrainer:
+    """The trainer as a torchrun child of this process."""
+
+    def __init__(self, proc, log_path: Path):
+        self.proc, self.log_path = proc, log_path
+
+    async def finished(self) -> bool:
+        """Whether the torchrun job has exited."""
+        return self.proc.poll() is not None
+
+    def check(self) -> None:
+        """Raise LaunchError, naming the failed rank and its error, when the job did not succeed."""
+        if self.proc.wait() != 0:
+            raise log_failure(self.log_path, ORCHESTRATOR, self.proc.returncode)
+
+    def stop(self) -> None:
+        """Kill the job (and every rank in it)."""
+        stop_process_group(self.proc)
+
+
+class ExternalTrainer:
+    """A trainer launched elsewhere (`--external-trainer`: SLURM, launch/torchrun.sh), watched through its reports
+    to the run-control actor: it has failed when it says so or stops reporting for longer than `timeout_s`."""
+
+    def __init__(self, control, timeout_s: float):
+        self.control, self.timeout_s = control, timeout_s
+        self.status: dict = {}
+
+    async def finished(self) -> bool:
+        """Whether the trainer reported the end (done or failed) or went silent."""
+        self.status = await self.control.trainer_status.remote()
+        return self.status["state"] in ("done", "failed") or self.status["age_s"] > self.timeout_s
+
+    def check(self) -> None:
+        """Raise LaunchError unless the trainer reported success."""
+        status = self.status
+        if status.get("state") == "failed":
+            raise LaunchError(f"trainer failed after step {status['step']}: {status['message']}")
+        if status.get("state") != "done":
+            raise LaunchError(
+                f"trainer silent for {status.get('age_s', 0):.0f} s (> trainer.timeout_s={self.timeout_s:.0f}) "
+                f"in state {status.get('state')!r} after step {status.get('step')}: is its torchrun job alive?"
+            )
+
+    def stop(self) -> None:
+        """Nothing to kill from here: the job that launched the trainer ends it (see launch/)."""
+
+
+async def _drive(driver, supervisor, trainer, poll_s: float = 0.5) -> None:
+    """Run generation (and restart dead engines) until the trainer ends; a failure of either stops the trainer."""
+    tasks = [asyncio.create_task(driver.run()), asyncio.create_task(supervisor.run())]
+    while not await trainer.finished() and not any(t.done() for t in tasks):
         await asyncio.sleep(poll_s)
-    if task.done() and task.exception() is not None:
-        stop_process_group(proc)
-        raise RuntimeError(f"generation driver failed: {task.exception()!r}") from task.exception()
+    failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+    if failed is not None:
+        trainer.stop()
+        driver.stop()
+        raise RuntimeError(f"generation failed: {failed.exception()!r}") from failed.exception()
     driver.stop()
-    await asyncio.wait_for(task, timeout=120)
+    supervisor.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
 
 
-def run_training(cfg: RunConfig) -> dict:
-    """Run the whole job; returns the summary (also written to the run folder)."""
+def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
+    """The checkpoint to resume from and its run state, or (None, None) for a fresh start."""
+    from megatron_rl.run_state import latest_checkpoint, read_run_state
+
+    if not cfg.checkpoint.resume:
+        return None, None
+    if not cfg.checkpoint.save_dir:
+        raise ResumeError("checkpoint.resume needs checkpoint.save_dir (where the run's checkpoints are)")
+    folder = latest_checkpoint(cfg.checkpoint.save_dir)
+    return (folder, read_run_state(folder)) if folder is not None else (None, None)
+
+
+def run_training(cfg: RunConfig, ray_address: str | None = None, external_trainer: bool = False) -> dict:
+    """Run the whole job; returns the summary (also written to the run folder).
+
+    `ray_address` joins a running Ray cluster instead of starting a local one; `external_trainer` writes the
+    trainer spec and waits for a trainer started elsewhere (`torchrun -m megatron_rl.orchestrator SPEC`).
+    """
     import ray
 
     from megatron_rl.metrics import plot_reward_curve, read_metrics
+    from megatron_rl.recovery import EngineSupervisor
     from megatron_rl.rollout.buffer import make_buffer_actor
+    from megatron_rl.rollout.control import CONTROL_NAME, make_control_actor
     from megatron_rl.rollout.driver import GenerationDriver, mode_lag
     from megatron_rl.rollout.pool import EnginePool
-    from megatron_rl.rollout.ray_utils import start_local_ray
+    from megatron_rl.rollout.ray_utils import join_ray, start_local_ray
     from megatron_rl.rollout.tasks import PromptStream, load_tokenizer, make_task
+    from megatron_rl.run_state import truncate_metrics
 
     run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    spec_path = run_dir / "trainer_spec.json"
+    spec_path.unlink(missing_ok=True)  # an external trainer must not start from a previous run's spec
+    resume_from, run_state = resume_point(cfg)
+    truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
     hf_path = ensure_model(cfg)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
     (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -90,42 +167,57 @@ def run_training(cfg: RunConfig) -> dict:
     task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
     layout = layout_of(cfg)
     start = time.perf_counter()
-    ray_info = start_local_ray()
+    if ray_address:
+        join_ray(ray_address)
+    ray_info = {"address": ray_address} if ray_address else start_local_ray()
     buffer = make_buffer_actor(
         capacity=cfg.buffer.capacity, max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy,
         prompts=PromptStream(task, cfg.task.epochs), max_requeues=cfg.buffer.max_requeues, name=BUFFER_NAME,
     )  # fmt: skip
+    if run_state is not None:
+        ray.get(buffer.load_state_dict.remote(run_state["buffer"]), timeout=120)
     pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
-    proc = None
+    trainer = None
     try:
         pool.start()
+        control = make_control_actor([(h.name, h.workers) for h in pool.handles()])
         spec = {
             "config": cfg.model_dump(mode="json"), "ray_address": ray_info["address"], "buffer": BUFFER_NAME,
-            "engines": [[h.name, h.workers] for h in pool.handles()], "run_dir": str(run_dir),
+            "control": CONTROL_NAME, "engines": [[h.name, h.workers] for h in pool.handles()],
+            "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None,
+            "world_size": layout.world_size,
         }  # fmt: skip
-        (run_dir / "trainer_spec.json").write_text(json.dumps(spec))
-        log_path = run_dir / "trainer.log"
-        proc = start_torchrun(ORCHESTRATOR, [str(run_dir / "trainer_spec.json")], layout.world_size, log_path)
+        spec_path.write_text(json.dumps(spec))
+        if external_trainer:
+            trainer = ExternalTrainer(control, cfg.trainer.timeout_s + 60)
+        else:
+            log_path = run_dir / "trainer.log"
+            trainer = LocalTrainer(
+                start_torchrun(ORCHESTRATOR, [str(spec_path)], layout.world_size, log_path), log_path
+            )
         driver = GenerationDriver(
             buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
         )
-        asyncio.run(_drive(driver, proc))
-        if proc.wait() != 0:
-            raise log_failure(log_path, ORCHESTRATOR, proc.returncode)
+        driver.stats.claimed = ray.get(buffer.stats.remote(), timeout=60)["produced"]  # the gate's step count
+        supervisor = EngineSupervisor(pool, driver, control, buffer, cfg.rollout.max_engine_restarts)
+        asyncio.run(_drive(driver, supervisor, trainer))
+        trainer.check()
         accounting = ray.get(buffer.check_accounting.remote(), timeout=60)
         engines = pool.health()
     finally:
-        if proc is not None:
-            stop_process_group(proc)
+        if trainer is not None:
+            trainer.stop()
         pool.shutdown()
     records = read_metrics(run_dir / "metrics.jsonl")
     plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", title=f"{cfg.name}: {cfg.mode}")
     summary = {
         "run_dir": str(run_dir), "mode": cfg.mode, "steps": len(records), "wall_seconds": round(time.perf_counter() - start, 1),
+        "resumed_from": str(resume_from) if resume_from else None,
         "reward_first": records[0]["reward/mean"] if records else None,
         "reward_last": records[-1]["reward/mean"] if records else None,
         "reward_best": max((r["reward/mean"] for r in records), default=None),
-        "accounting": accounting, "driver": vars(driver.stats), "engines": engines, "task": task.report(),
+        "accounting": accounting, "driver": vars(driver.stats), "engine_restarts": supervisor.restarts,
+        "engines": engines, "task": task.report(),
     }  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary

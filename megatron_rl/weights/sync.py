@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_rl.trainer.setup import TrainerRank
 from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
 from megatron_rl.weights.sender import build_plan, send_update
-from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, default_backend
+from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, default_backend, resolve_host
 
 
 class SyncError(RuntimeError):
@@ -85,12 +85,14 @@ class TrainerWeightSync:
         r = self.rank
         self.plan = build_plan(r.model, r.family, r.arch, r.ctx, self.bucket_bytes)
         senders = sorted({b.owner for b in self.plan})
-        store, port = (None, 0)
+        store, address = None, None
         if r.ctx.rank in senders:
-            store, port = WeightGroup.host_store(self.host, self.timeout_s)
-        ports: list = [None] * dist.get_world_size()
-        dist.all_gather_object(ports, port)
-        specs = [GroupSpec(s, self.host, ports[s], self._members(s), default_backend()) for s in senders]
+            host = resolve_host(self.host)  # each sender's own address: senders sit on different nodes
+            store, port = WeightGroup.host_store(host, self.timeout_s)
+            address = (host, port)
+        addresses: list = [None] * dist.get_world_size()
+        dist.all_gather_object(addresses, address)
+        specs = [GroupSpec(s, *addresses[s], self._members(s), default_backend()) for s in senders]
         futures = {}
         if self.is_coordinator:
             groups_json = _groups_json(specs)

@@ -58,6 +58,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def resolve_host(host: str) -> str:
+    """The address to bind and advertise: `host` itself, or for `auto` MRL_NODE_IP, else this host name's address."""
+    if host != "auto":
+        return host
+    import os
+    import socket
+
+    return os.environ.get("MRL_NODE_IP") or socket.gethostbyname(socket.gethostname())
+
+
 def default_backend() -> str:
     """NCCL when CUDA is available, else gloo."""
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -75,15 +85,24 @@ class WeightGroup:
 
     @staticmethod
     def host_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, int]:
-        """Start the TCPStore a sender hosts; returns it and its port (before the group forms)."""
+        """Start the TCPStore a sender hosts, listening on `host` only; returns it and its port.
+
+        TCPStore's own server listens on every interface; handing it a socket we bound ourselves keeps a
+        loopback store unreachable from other machines, and takes the port atomically (no probe-then-bind race).
+        """
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            sock.bind((host, 0))
+            sock.listen(128)
+        except OSError as err:
+            sock.close()
+            raise TransportError(f"could not host a TCPStore on {host}: {err}") from None
+        port = sock.getsockname()[1]
         timeout = datetime.timedelta(seconds=timeout_s)
-        for _ in range(5):
-            port = free_port(host)
-            try:
-                return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False), port
-            except (RuntimeError, OSError):  # the port was taken between probe and bind: try another
-                continue
-        raise TransportError(f"could not host a TCPStore on {host}")
+        store = dist.TCPStore(
+            host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach()
+        )  # the store now owns the socket
+        return store, port
 
     def connect(self) -> WeightGroup:
         """Form the group; blocks until every member joined, or raises naming the members that did not."""

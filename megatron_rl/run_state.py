@@ -1,0 +1,126 @@
+"""Whole-run checkpoints: everything a run needs to continue after a crash, saved every K steps.
+
+`<checkpoint.save_dir>/step_<N>/` holds the trainer's Megatron distributed checkpoint (model, optimizer in the
+layout-independent format, LR scheduler), each rank's RNG state, and `run_state.json`: the step (= weight
+version), the rollout buffer's contents, counters and data position. `<save_dir>/latest` names the last complete
+one and is written last, atomically, so a crash while saving leaves the previous checkpoint in charge.
+
+Nothing here unpickles: tensors load with `torch.load(weights_only=True)`, the rest is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+LATEST = "latest"
+RUN_STATE = "run_state.json"
+RNG_DIR = "rng"
+RUN_STATE_FORMAT = 1
+
+
+class ResumeError(RuntimeError):
+    """No usable checkpoint to resume from; the message names the folder and what is wrong."""
+
+
+def step_dir(save_dir: str | Path, step: int) -> Path:
+    """The folder of the checkpoint taken after `step`."""
+    return Path(save_dir) / f"step_{step:08d}"
+
+
+def latest_checkpoint(save_dir: str | Path) -> Path | None:
+    """The last complete checkpoint under `save_dir`, or None when there is none yet."""
+    marker = Path(save_dir) / LATEST
+    if not marker.exists():
+        return None
+    folder = Path(save_dir) / marker.read_text().strip()
+    if not (folder / RUN_STATE).exists():
+        raise ResumeError(f"{marker} names {folder}, which has no {RUN_STATE} (deleted or not a run checkpoint)")
+    return folder
+
+
+def is_due(step: int, interval: int, last_step: int) -> bool:
+    """Whether the checkpoint of `step` is taken: every `interval` steps and after the last one (0: last only)."""
+    return step == last_step or (interval > 0 and step % interval == 0)
+
+
+def read_run_state(folder: str | Path) -> dict:
+    """The `run_state.json` of a run checkpoint, checked for its format."""
+    path = Path(folder) / RUN_STATE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ResumeError(f"{path}: unreadable run state ({err})") from None
+    if state.get("format") != RUN_STATE_FORMAT:
+        raise ResumeError(f"{path}: run-state format {state.get('format')!r}, this code reads {RUN_STATE_FORMAT}")
+    return state
+
+
+def write_run_state(folder: str | Path, step: int, buffer_state: dict | None, extra: dict | None = None) -> None:
+    """(Rank 0) write the JSON part of a run checkpoint."""
+    state = {"format": RUN_STATE_FORMAT, "step": step, "version": step, "buffer": buffer_state, **(extra or {})}
+    _atomic_write(Path(folder) / RUN_STATE, json.dumps(state))
+
+
+def mark_latest(save_dir: str | Path, folder: str | Path) -> None:
+    """(Rank 0, after every rank finished writing) make `folder` the checkpoint a resume starts from."""
+    _atomic_write(Path(save_dir) / LATEST, Path(folder).name + "\n")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch CPU, CUDA when present, Python); numbers and tensors only."""
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned."""
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = json.loads(state["python"])
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_rng(folder: str | Path, rank: int) -> None:
+    """(Every rank) save this rank's RNG state into the checkpoint."""
+    import torch
+
+    path = Path(folder) / RNG_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), path / f"rank{rank}.pt")
+
+
+def load_rng(folder: str | Path, rank: int) -> bool:
+    """(Every rank) restore this rank's RNG state; False when the checkpoint has none for it (another layout)."""
+    import torch
+
+    path = Path(folder) / RNG_DIR / f"rank{rank}.pt"
+    if not path.exists():
+        return False
+    set_rng_state(torch.load(path, weights_only=True))
+    return True
+
+
+def truncate_metrics(path: str | Path, last_step: int) -> int:
+    """Keep the metric records up to `last_step` (a resumed run redoes the later ones); returns how many stay."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
+    _atomic_write(path, "".join(line + "\n" for line in kept))
+    return len(kept)
