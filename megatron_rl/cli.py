@@ -1,4 +1,4 @@
-"""The `megatron-rl` command: make-tiny, convert, verify, config, train.
+"""The `megatron-rl` command: make-tiny, convert, verify, config, plan, train.
 
 Heavy imports happen inside each subcommand so that `megatron-rl --help` and config commands stay fast.
 """
@@ -15,12 +15,26 @@ def _add_layout_args(parser: argparse.ArgumentParser, required: bool = False) ->
         parser.add_argument(f"--{name}", type=int, default=1, help=f"{name.upper()} size (default 1)")
     parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (default 1)")
     parser.add_argument("--dp", type=int, default=None, help="data parallel size (default: smallest that fits)")
+    parser.add_argument(
+        "--first-stage-layers", type=int, default=None, help="layers on the first pipeline stage (default: even split)"
+    )
+    parser.add_argument(
+        "--last-stage-layers", type=int, default=None, help="layers on the last pipeline stage (default: even split)"
+    )
 
 
 def _layout(args):
     from megatron_rl.parallel.layout import ParallelLayout
 
-    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dp=args.dp)
+    return ParallelLayout(
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        dp=args.dp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+    )
 
 
 def cmd_make_tiny(args) -> dict:
@@ -75,7 +89,10 @@ def cmd_train(args) -> dict:
     from megatron_rl.config import load_config
     from megatron_rl.tools.train import run_training
 
-    summary = run_training(load_config(args.config, args.overrides))
+    overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+    summary = run_training(
+        load_config(args.config, overrides), ray_address=args.ray_address, external_trainer=args.external_trainer
+    )
     keys = ("run_dir", "mode", "steps", "wall_seconds", "reward_first", "reward_last", "reward_best")
     return {k: summary[k] for k in keys} | {"accounting": summary["accounting"]}
 
@@ -88,6 +105,18 @@ def cmd_config(args) -> dict | None:
         print("\n".join(explain()))
         return None
     print(dump_config(load_config(args.config, args.overrides)), end="")
+    return None
+
+
+def cmd_plan(args) -> dict | None:
+    """Plan a run config against its cluster: per-GPU memory of trainer and engines (see megatron_rl/planner.py)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.planner import format_plan, plan
+
+    result = plan(load_config(args.config, args.overrides))
+    if args.json:
+        return result.to_dict()
+    print(format_plan(result))
     return None
 
 
@@ -153,8 +182,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run asynchronous RL from a YAML config (see configs/quickstart.yaml)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as steps=5 trainer.parallel.ep=2")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in checkpoint.save_dir, if any"
+    )
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument(
+        "--external-trainer", action="store_true",
+        help="write <run_dir>/trainer_spec.json and wait for a trainer started elsewhere "
+        "(torchrun -m megatron_rl.orchestrator SPEC; see launch/)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plan", help="per-GPU memory of a config's trainer and engines on its cluster")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as trainer.parallel.pp=8 cluster.gpu=h200")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("config", help="print the resolved config (or --explain every field)")
     p.add_argument("config", nargs="?", default=None)
@@ -169,10 +213,16 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from megatron_rl.models.base import CheckpointError
     from megatron_rl.parallel.layout import LayoutError
     from megatron_rl.parallel.torchrun import LaunchError
+    from megatron_rl.planner import PlanError
+    from megatron_rl.rollout.driver import GenerationError
+    from megatron_rl.run_state import ResumeError
     from megatron_rl.weights.sync import SyncError
     from megatron_rl.weights.transport import TransportError
 
-    return (ConfigError, CheckpointError, LayoutError, LaunchError, SyncError, TransportError, FileNotFoundError)
+    return (
+        ConfigError, CheckpointError, LayoutError, LaunchError, SyncError, TransportError, FileNotFoundError,
+        ResumeError, PlanError, GenerationError,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,9 @@ class ModelConfig(Section):
     """Parameter dtype of trainer and engines (float32 for exact CPU parity tests)."""
     max_sequence_length: int = Field(4096, ge=16)
     """Longest prompt + response the trainer prepares rotary embeddings for."""
+    hf_config: str = ""
+    """config.json used for planning (`megatron-rl plan`) when hf_path is not downloaded yet (for example one of
+    configs/models/); empty: hf_path/config.json."""
 
 
 class ParallelConfig(Section):
@@ -42,6 +45,13 @@ class ParallelConfig(Section):
     """Expert tensor parallel size."""
     dp: int | None = Field(None, ge=1)
     """Data parallel size; empty picks the smallest that fits ep x etp."""
+    first_stage_layers: int | None = Field(None, ge=1)
+    """Transformer layers on the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage), for models
+    whose layer count no even pp split divides (DeepSeek-V3: 61); the other stages split the rest evenly. Empty:
+    even split."""
+    last_stage_layers: int | None = Field(None, ge=1)
+    """Transformer layers on the last pipeline stage (Megatron's num_layers_in_last_pipeline_stage); a smaller last
+    stage leaves room for the output layer and loss. Empty: even split."""
 
 
 class OptimizerConfig(Section):
@@ -100,7 +110,11 @@ class CheckpointConfig(Section):
     load_dir: str = ""
     """Distributed checkpoint to start from instead of the HF weights (empty: HF weights)."""
     save_interval: int = Field(0, ge=0)
-    """Save every this many steps (0: only at the end)."""
+    """Save a whole-run checkpoint (trainer, optimizer, RNG, buffer, data position) every this many steps, and
+    after the last one (0: only after the last one)."""
+    resume: bool = False
+    """Continue from the latest whole-run checkpoint under `save_dir` (`megatron-rl train --resume`); starts from
+    scratch when there is none yet."""
 
 
 class RolloutConfig(Section):
@@ -130,6 +144,8 @@ class RolloutConfig(Section):
     """Prompts in flight per engine."""
     cpu_affinity: list[int] = Field(default_factory=list)
     """CPU cores the engine processes run on (empty: all)."""
+    max_engine_restarts: int = Field(3, ge=0)
+    """How often each engine that dies is restarted (and brought to the current weights) before the run fails."""
 
 
 class BufferConfig(Section):
@@ -178,6 +194,9 @@ class SyncConfig(Section):
     """Deadline of one whole sync; an engine that does not join or dies fails it, named."""
     inflight: Literal["pause", "abort"] = "pause"
     """Requests in flight during a sync: paused and resumed, or aborted and continued from their prefix."""
+    bind_host: str = "127.0.0.1"
+    """Address each sender's rendezvous store binds to and engines connect to: loopback by default; on several
+    nodes this node's address, or `auto` (MRL_NODE_IP, else the address of this host's name)."""
 
 
 class TaskConfig(Section):
@@ -201,6 +220,35 @@ class TaskConfig(Section):
     """Passes over the dataset (empty: endless)."""
     length: int = Field(8, ge=1)
     """Target response length of the built-in tasks."""
+    max_bad_reward_groups_in_a_row: int = Field(32, ge=1)
+    """Groups dropped in a row because a reward raised or was not a finite number before the run stops (a reward
+    function that always fails is a bug, not noise); single failures are counted and the run goes on."""
+
+
+GPU_MEMORY_GB = {"h100": 80.0, "h200": 141.0}
+"""Memory of each GPU type the planner knows (SXM parts), in GB as the vendors state it (10^9 bytes)."""
+
+
+class ClusterConfig(Section):
+    """The machines a production run is planned for (`megatron-rl plan`); local runs ignore it."""
+
+    gpu: Literal["h100", "h200"] = "h100"
+    """GPU type of every node."""
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one GPU in GB (10^9 bytes); empty: the type's own (h100 80, h200 141)."""
+    gpus_per_node: int = Field(8, ge=1)
+    """GPUs per node."""
+    trainer_nodes: int | None = Field(None, ge=1)
+    """Nodes of the Megatron trainer: its world size must be trainer_nodes x gpus_per_node. Empty: trainer and
+    engines share one node (a local run)."""
+    inference_nodes: int | None = Field(None, ge=1)
+    """Nodes of the vLLM engines: num_engines x engine_tp x engine_dp must be inference_nodes x gpus_per_node.
+    Empty: trainer and engines share one node (a local run)."""
+
+    @property
+    def memory_gb(self) -> float:
+        """Memory of one GPU in GB: the configured value or the GPU type's."""
+        return self.gpu_memory_gb if self.gpu_memory_gb is not None else GPU_MEMORY_GB[self.gpu]
 
 
 class RunConfig(Section):
@@ -234,6 +282,8 @@ class RunConfig(Section):
     """Weight sync."""
     task: TaskConfig = Field(default_factory=TaskConfig)
     """The task."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """The cluster a production run is planned for."""
 
     @model_validator(mode="after")
     def _check_batching(self) -> RunConfig:

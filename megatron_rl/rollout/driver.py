@@ -35,6 +35,14 @@ def mode_lag(mode: str, max_staleness: int) -> int:
     return MODE_LAG.get(mode, max(1, max_staleness))
 
 
+class GenerationError(RuntimeError):
+    """Generation cannot go on (the message says why); the launcher stops the trainer and exits non-zero."""
+
+
+class RewardError(GenerationError):
+    """The reward function fails on every group: the run cannot learn anything, so it stops."""
+
+
 @dataclasses.dataclass
 class DriverStats:
     """Counters the driver reports with the metrics."""
@@ -45,6 +53,7 @@ class DriverStats:
     requeued: int = 0
     engine_failures: int = 0
     engine_restarts: int = 0
+    bad_reward_groups: int = 0
     generated_tokens: int = 0
     gate_wait_s: float = 0.0
 
@@ -66,6 +75,7 @@ class GenerationDriver:
         self._claim_lock = asyncio.Lock()
         self.failure: BaseException | None = None
         self.down: dict[str, str] = {}
+        self._bad_rewards_in_a_row = 0
         """Engines found dead (name -> why); their workers wait until the supervisor brings them back."""
 
     def mark_down(self, engine: str, reason: str) -> None:
@@ -133,9 +143,25 @@ class GenerationDriver:
                 await asyncio.sleep(0.5)
                 continue
             group = await self._score(index, record, results)
-            accepted = await self.buffer.put_group.remote(group)
+            accepted = await self.buffer.put_group.remote(group)  # first: a dropped group is accounted for
             self.stats.groups += int(accepted)
             self.stats.dropped_by_buffer += int(not accepted)
+            self._check_rewards(group)
+
+    def _check_rewards(self, group: Group) -> None:
+        """Count groups with a failed reward; too many in a row stop the run with the reward's own error."""
+        errors = [s.metadata["reward_error"] for s in group.samples if "reward_error" in s.metadata]
+        if not errors:
+            self._bad_rewards_in_a_row = 0
+            return
+        self.stats.bad_reward_groups += 1
+        self._bad_rewards_in_a_row += 1
+        limit = self.cfg.task.max_bad_reward_groups_in_a_row
+        if self._bad_rewards_in_a_row >= limit:
+            raise RewardError(
+                f"{limit} groups in a row had a failed reward (task.max_bad_reward_groups_in_a_row); "
+                f"last: prompt {group.prompt_index}: {errors[-1]}"
+            )
 
     async def _generate(self, engine: str, index: int, record: dict) -> list:
         rollout = self.cfg.rollout

@@ -15,6 +15,7 @@ from pathlib import Path
 from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
+from megatron_rl.rollout.driver import GenerationError
 from megatron_rl.run_state import ResumeError
 
 ORCHESTRATOR = "megatron_rl.orchestrator"
@@ -118,7 +119,8 @@ async def _drive(driver, supervisor, trainer, poll_s: float = 0.5) -> None:
     if failed is not None:
         trainer.stop()
         driver.stop()
-        raise RuntimeError(f"generation failed: {failed.exception()!r}") from failed.exception()
+        err = failed.exception()
+        raise GenerationError(f"generation failed: {type(err).__name__}: {err}") from err
     driver.stop()
     supervisor.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)

@@ -73,6 +73,9 @@ def make_transformer_config(
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        # Uneven first/last stages; Megatron's layer_number then carries the global offset that the weight path
+        # (trainer/hf_weights.py local_offsets) reads, so loading and gathering need nothing else.
+        **layout.megatron_kwargs(),
         sequence_parallel=layout.tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from megatron_rl.models.base import ModelArch, ParamRule
-from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.layout import ParallelLayout, stage_of_layer
 
 HEADER_BYTES = 64
 """Each bucket starts with an int64 header: magic, version, bucket index, payload bytes (rest zero)."""
@@ -64,7 +64,7 @@ def dtype_bytes(dtype: str) -> int:
 
 def _stage_of(rule: ParamRule, arch: ModelArch, layout: ParallelLayout) -> int:
     if rule.layer is not None:
-        return rule.layer // (arch.num_layers // layout.pp)
+        return stage_of_layer(layout, arch.num_layers, rule.layer)  # honours uneven first/last stages
     if rule.mcore.startswith("embedding."):
         return 0
     return layout.pp - 1
