@@ -101,11 +101,32 @@ def root_cause(text: str) -> str:
     return ""
 
 
+_FIRST_FAILURE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<code>-?\d+)"
+    r".*?traceback\s*:\s*(?P<why>[^\n]*)",
+    re.DOTALL,
+)
+
+
+def first_failed_rank(text: str) -> str:
+    """torchrun's own verdict on which rank failed first and how, e.g. `rank 1 exited -9: Signal 9 (SIGKILL)
+    received by PID 30851`, or '' when the log has no torchrun summary. A rank killed from outside prints no
+    exception, so this names it where the other ranks' errors (connection reset by the dead peer) would not."""
+    match = _FIRST_FAILURE.search(text)
+    if match is None:
+        return ""
+    why = match["why"].strip()
+    why = "" if why.startswith("To enable traceback") else f": {why}"
+    return f"rank {match['rank']} exited {match['code']}{why}"
+
+
 def _tail(text: str, lines: int = 30) -> str:
     body = "\n".join(ln for ln in text.strip().splitlines() if not ln.lstrip().startswith(("Warning", "warnings.warn")))
     cause = root_cause(text)
+    first = first_failed_rank(text)
     tail = "\n".join(body.splitlines()[-lines:])
-    return f"root cause: {cause}\n{tail}" if cause else tail
+    head = "".join(f"{label}: {value}\n" for label, value in (("first failure", first), ("root cause", cause)) if value)
+    return head + tail
 
 
 def _save_log(path: str | Path | None, text: str) -> None:

@@ -1,0 +1,44 @@
+"""How a failed torchrun job is summarised: the rank that failed first (torchrun's verdict) and the root cause."""
+
+from __future__ import annotations
+
+from megatron_rl.parallel.torchrun import first_failed_rank, log_failure
+
+KILLED_RANK_LOG = """\
+[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:32666: Connection reset by peer.
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+megatron_rl.orchestrator FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-29_12:15:37
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 30850)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_12:15:35
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 30851)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 30851
+============================================================
+"""
+
+
+def test_a_killed_rank_is_named_not_the_rank_that_lost_its_peer(tmp_path):
+    assert first_failed_rank(KILLED_RANK_LOG) == "rank 1 exited -9: Signal 9 (SIGKILL) received by PID 30851"
+    log = tmp_path / "trainer.log"
+    log.write_text(KILLED_RANK_LOG)
+    message = str(log_failure(log, "megatron_rl.orchestrator", 1))
+    assert message.splitlines()[1] == "first failure: rank 1 exited -9: Signal 9 (SIGKILL) received by PID 30851"
+    assert "root cause: [rank0]: RuntimeError" in message
+
+
+def test_a_log_without_torchrun_summary_has_no_first_failure():
+    assert first_failed_rank("ValueError: bad config\n") == ""
