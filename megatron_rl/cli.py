@@ -86,6 +86,10 @@ def cmd_verify(args) -> dict:
 
 def cmd_train(args) -> dict:
     """Run an RL job from a YAML config."""
+    if not args.ray_address:
+        from megatron_rl.rollout.ray_utils import prefer_loopback_ray
+
+        prefer_loopback_ray()  # before anything imports ray
     from megatron_rl.config import load_config
     from megatron_rl.tools.train import run_training
 

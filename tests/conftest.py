@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# Tests start only local Ray clusters: keep them on loopback (see megatron_rl/rollout/ray_utils.py).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3")
 
 

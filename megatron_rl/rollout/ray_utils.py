@@ -6,10 +6,21 @@ import os
 import tempfile
 
 NAMESPACE = "megatron-rl"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch (read once, when `ray` is imported) between a single-machine setup, whose GCS, raylet and
+workers listen on loopback, and cluster mode, which binds them to every interface even for `ray.init()` on one
+machine (measured: Ray 2.60 started by `ray.init(_node_ip_address='127.0.0.1')` listens on `*`)."""
+
+
+def prefer_loopback_ray() -> None:
+    """Make a local Ray started later in this process (and its workers) listen on loopback only; call it before
+    `ray` is first imported. Not for processes that join a multi-node cluster: their address must be routable."""
+    os.environ.setdefault(LOCAL_ONLY_ENV, "0")
 
 
 def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> dict:
     """Start a local Ray head bound to loopback; returns {'address', 'temp_dir'} for processes that join it."""
+    prefer_loopback_ray()
     import ray
 
     if ray.is_initialized():
