@@ -371,7 +371,9 @@ def make_buffer_actor(*args: Any, name: str | None = None, max_concurrency: int 
     """
     import ray
 
-    options: dict[str, Any] = {"max_concurrency": max_concurrency, "num_cpus": 0}
+    from megatron_rl.rollout.ray_utils import on_this_node
+
+    options: dict[str, Any] = {"max_concurrency": max_concurrency, "num_cpus": 0, **on_this_node()}
     if name:
         options["name"] = name
     return ray.remote(RolloutBuffer).options(**options).remote(*args, **kwargs)

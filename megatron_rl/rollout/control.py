@@ -75,4 +75,7 @@ def make_control_actor(engines: list[tuple[str, int]], name: str = CONTROL_NAME)
     """Start a `RunControl` as a named, threaded Ray actor; returns its handle."""
     import ray
 
-    return ray.remote(RunControl).options(name=name, num_cpus=0, max_concurrency=16).remote(engines)
+    from megatron_rl.rollout.ray_utils import on_this_node
+
+    options = {"name": name, "num_cpus": 0, "max_concurrency": 16, **on_this_node()}
+    return ray.remote(RunControl).options(**options).remote(engines)

@@ -39,6 +39,15 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None) ->
     return {"address": ray.get_runtime_context().gcs_address, "temp_dir": temp_dir}
 
 
+def on_this_node() -> dict:
+    """Ray actor options that place an actor on the caller's node: the run's small bookkeeping actors (0 CPUs)
+    would otherwise land on any node of a multi-node cluster, e.g. a trainer node."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
 def join_ray(address: str) -> None:
     """Join an existing Ray cluster (from a torchrun trainer process) in this project's namespace."""
     import ray

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -126,6 +127,12 @@ async def _drive(driver, supervisor, trainer, poll_s: float = 0.5) -> None:
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from and its run state, or (None, None) for a fresh start."""
     from megatron_rl.run_state import latest_checkpoint, read_run_state
@@ -189,7 +196,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
             "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None,
             "world_size": layout.world_size,
         }  # fmt: skip
-        spec_path.write_text(json.dumps(spec))
+        _write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
         if external_trainer:
             trainer = ExternalTrainer(control, cfg.trainer.timeout_s + 60)
         else:
