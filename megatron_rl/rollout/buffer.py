@@ -74,6 +74,7 @@ class RolloutBuffer:
         self._dropped = collections.Counter()
         self._drop_log: collections.deque[dict] = collections.deque(maxlen=DROP_LOG_SIZE)
         self.trainer_version = 0
+        self._consumed: set[int] = set()  # prompt indices handed to the trainer: none may be handed out twice
 
     @classmethod
     def from_config(cls, buffer_cfg, prompts: PromptStream | None = None, max_requeues: int = 3) -> RolloutBuffer:
@@ -227,6 +228,8 @@ class RolloutBuffer:
         staleness = group.staleness(current_version)
         group.stale = staleness > self.max_staleness
         self._counters["consumed"] += 1
+        self._counters["consumed_twice"] += int(group.prompt_index in self._consumed)
+        self._consumed.add(group.prompt_index)
         self._counters["corrected"] += int(group.stale)
         self._counters["staleness_sum"] += max(0, staleness)
         self._counters["staleness_max"] = max(self._counters["staleness_max"], staleness)
@@ -266,6 +269,8 @@ class RolloutBuffer:
         return the counts."""
         with self._cond:
             counts = self._counts()
+        if self._counters["consumed_twice"]:  # first: it also breaks the identity below, less tellingly
+            raise AccountingError(f"{self._counters['consumed_twice']} prompt(s) were handed to the trainer twice")
         total = counts["consumed"] + counts["dropped"] + counts["buffered"] + counts["in_flight"]
         if counts["produced"] != total:
             raise AccountingError(

@@ -261,6 +261,16 @@ def test_check_accounting_catches_a_broken_identity():
         buffer.check_accounting()
 
 
+def test_check_accounting_catches_a_prompt_handed_to_the_trainer_twice():
+    buffer = make_buffer()
+    fill(buffer, 2)
+    (group,) = buffer.get_batch(1, current_version=0)
+    buffer._heap.append((0, 99, group))  # simulate a bug that buffers a consumed group again
+    buffer.get_batch(2, current_version=0)
+    with pytest.raises(AccountingError, match="1 prompt\\(s\\) were handed to the trainer twice"):
+        buffer.check_accounting()
+
+
 def test_finite_stream_ends_with_a_partial_batch():
     buffer = make_buffer(count=3, epochs=1, capacity=8)
     fill(buffer, 5)  # only 3 exist
