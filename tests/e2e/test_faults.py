@@ -84,9 +84,14 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_dead_trainer_rank_fails_the_job_and_resume_reproduces_the_losses(tmp_path):
-    sync = ["mode=sync", "steps=4", "checkpoint.save_interval=2"]
+    """In `sync` mode (with the KL penalty to a frozen reference model, which a resume rebuilds too)."""
+    sync = ["mode=sync", "steps=4", "checkpoint.save_interval=2", "algorithm.kl_coef=0.05"]
     straight = _run(_train_command(tmp_path, "straight", *sync, f"checkpoint.save_dir={tmp_path}/ckpt-straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
+    records = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert [r["staleness/max"] for r in records] == [0, 0, 0, 0]  # sync: never trained on older weights
+    assert records[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+    assert records[-1]["kl/ref"] > 0
 
     save_dir = tmp_path / "ckpt-faulty"
     cmd = _train_command(tmp_path, "faulty", *sync, f"checkpoint.save_dir={save_dir}")

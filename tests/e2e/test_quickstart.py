@@ -41,19 +41,3 @@ def test_quickstart_learns_within_ten_minutes(tmp_path):
     ):
         assert key in records[-1], key  # fmt: skip
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == cfg.steps
-
-
-def test_sync_mode_with_kl_penalty_to_the_reference_model(tmp_path):
-    """`sync` mode generates each step's groups with that step's weights; the KL term uses a frozen reference."""
-    cfg = load_config(
-        "configs/quickstart.yaml",
-        [f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "name=klsync", "steps=4", "mode=sync",
-         "algorithm.kl_coef=0.05", "trainer.parallel.ep=1"],
-    )  # fmt: skip
-    summary = run_training(cfg)
-    records = read_metrics(tmp_path / "klsync" / "metrics.jsonl")
-    assert [r["staleness/max"] for r in records] == [0, 0, 0, 0]  # sync: never trained on older weights
-    assert records[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
-    assert records[-1]["kl/ref"] > 0
-    acc = summary["accounting"]
-    assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
