@@ -121,10 +121,11 @@ def test_dead_trainer_rank_fails_the_job_and_resume_reproduces_the_losses(tmp_pa
 
 def test_dead_engine_is_restarted_resynced_and_its_prompts_requeued(tmp_path):
     run_dir = tmp_path / "engine-fault"
-    cmd = _train_command(tmp_path, "engine-fault", "mode=async", "steps=6")
+    steps = 10  # enough that the run is still generating when the engine dies after its first step
+    cmd = _train_command(tmp_path, "engine-fault", "mode=async", f"steps={steps}")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: _steps_logged(run_dir) >= 2, 600, "two trained steps", proc)
+        _wait_for(lambda: _steps_logged(run_dir) >= 1, 600, "a trained step", proc)
         engine = _engine_actor()
         assert engine is not None, "no ray::VLLMEngine process found"
         engine.send_signal(signal.SIGKILL)
@@ -134,11 +135,11 @@ def test_dead_engine_is_restarted_resynced_and_its_prompts_requeued(tmp_path):
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 6
-    assert summary["engine_restarts"] == {"engine-0": 1}
+    assert summary["steps"] == steps
+    assert summary["engine_restarts"] == {"engine-0": 1}, "the engine was not killed while the run needed it"
     acc = summary["accounting"]  # exactly once: every prompt produced is consumed, dropped, buffered or in flight
     assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
-    assert acc["consumed"] == 6 * 8
+    assert acc["consumed"] == steps * 8
     assert summary["driver"]["requeued"] >= 1  # the dead engine's in-flight prompts went back
     records = read_metrics(run_dir / "metrics.jsonl")
     assert records[-1]["sync/resyncs"] >= 1
