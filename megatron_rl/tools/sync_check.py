@@ -64,7 +64,7 @@ def run_sync_check(
     ]
     pool = EnginePool(specs, cpus_per_engine=0.5)
     try:
-        pool.start(timeout_s)
+        pool.start(max(300.0, timeout_s))  # start-up is not what the sync timeout bounds
         with tempfile.TemporaryDirectory(prefix="mrl-sync-") as tmp:
             spec = {
                 "hf": str(hf_dir), "layout": layout.__dict__, "ray_address": ray_info["address"],

@@ -50,4 +50,4 @@ def test_dead_engine_fails_the_sync_within_its_timeout_and_is_named(tiny_dir):
             tiny_dir("qwen3_moe"), ParallelLayout(), engines=2, syncs=1, kill_engine="engine-1", timeout_s=60
         )
     assert "weight update to version 1 failed" in str(info.value)
-    assert time.monotonic() - start < 400
+    assert time.monotonic() - start < 600
