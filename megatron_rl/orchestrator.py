@@ -119,7 +119,7 @@ class Run:
 
         from megatron_rl.metrics import MetricsLogger
         from megatron_rl.rollout.ray_utils import join_ray
-        from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync
+        from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync, ray_get_named
 
         self.cfg, self.spec = cfg, spec
         self.trainer = Trainer(cfg)
@@ -131,6 +131,9 @@ class Run:
             self.control = ray.get_actor(spec["control"])
         resume = spec.get("resume_from")
         self.step = self.trainer.load(Path(resume)) if resume else 0
+        if self.is_rank0:  # the launcher starts the engines while the trainer loads
+            ready = {name: ray.get_actor(name).ready.remote(cfg.sync.timeout_s) for name, _ in spec["engines"]}
+            ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the engines to start")
         handles = [
             EngineHandle(name, ray.get_actor(name) if self.is_rank0 else None, workers)
             for name, workers in spec["engines"]

@@ -102,6 +102,8 @@ class VLLMEngine:
         self.consistent = True
         self.inconsistency = ""
         self._llm = None
+        self._started = asyncio.Event()
+        self._start_error = ""
         self._update_lock = asyncio.Lock()
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -137,7 +139,22 @@ class VLLMEngine:
             enable_prefix_caching=False,
             disable_log_stats=True,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)
+        except BaseException as err:
+            self._start_error = f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            self._started.set()
+        return await self.health()
+
+    async def ready(self, timeout_s: float = 600.0) -> dict:
+        """Wait until `start` finished (another caller started it); its health, or EngineError naming why not.
+
+        Lets the trainer start while the engines load: it waits here only when it needs them."""
+        await asyncio.wait_for(self._started.wait(), timeout_s)
+        if self._llm is None:
+            raise EngineError(f"engine {self.spec.name}: vLLM did not start ({self._start_error or 'shut down'})")
         return await self.health()
 
     def _require(self):

@@ -18,6 +18,7 @@ class EnginePool:
         self.use_gpus = use_gpus
         self.actors: dict[str, object] = {}
         self.placement_group = None
+        self._starting: dict[str, object] = {}
         self._round_robin = itertools.cycle(range(len(specs)))
 
     def _bundle(self, spec: EngineSpec) -> dict:
@@ -28,6 +29,11 @@ class EnginePool:
 
     def start(self, timeout_s: float = 600.0) -> list[dict]:
         """Reserve the placement group, create the actors and start vLLM in each; errors name the engine."""
+        self.create(timeout_s)
+        return self.wait_started(timeout_s)
+
+    def create(self, timeout_s: float = 600.0) -> None:
+        """Reserve the placement group, create the actors and have each start vLLM, without waiting for it."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -39,8 +45,11 @@ class EnginePool:
             )
         for index, spec in enumerate(self.specs):
             self.actors[spec.name] = self._create_actor(index, spec)
-        futures = {name: actor.start.remote() for name, actor in self.actors.items()}
-        return list(ray_get_named(futures, timeout_s, "starting vLLM").values())
+        self._starting = {name: actor.start.remote() for name, actor in self.actors.items()}
+
+    def wait_started(self, timeout_s: float = 600.0) -> list[dict]:
+        """Wait for the starts `create` began; health reports, or SyncError naming the engines that failed."""
+        return list(ray_get_named(self._starting, timeout_s, "starting vLLM").values())
 
     def _create_actor(self, index: int, spec: EngineSpec):
         """The engine actor of `spec` in its placement-group bundle (vLLM not yet started)."""

@@ -188,7 +188,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
     pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
     trainer = None
     try:
-        pool.start()
+        pool.create()  # vLLM loads while the trainer starts: neither waits for the other until the first sync
         control = make_control_actor([(h.name, h.workers) for h in pool.handles()])
         spec = {
             "config": cfg.model_dump(mode="json"), "ray_address": ray_info["address"], "buffer": BUFFER_NAME,
@@ -204,6 +204,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
             trainer = LocalTrainer(
                 start_torchrun(ORCHESTRATOR, [str(spec_path)], layout.world_size, log_path), log_path
             )
+        pool.wait_started()
         driver = GenerationDriver(
             buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
         )
