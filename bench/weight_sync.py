@@ -54,8 +54,15 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
         "plain_seconds": round(raw_s, 4),
         "plain_gb_per_s": round(nbytes / raw_s / 1e9, 4),
         "ratio": round(raw_s / sync_s, 3),
-        "engine_receive_load_seconds": [round(w["seconds"], 3) for ws in report["engine_side"] for w in ws],
-        "engine_repack_seconds": [round(w["finish_seconds"], 3) for ws in report["engine_side"] for w in ws],
+        "engine_side": [_engine_phases(w) for ws in report["engine_side"] for w in ws],
+    }
+
+
+def _engine_phases(worker: dict) -> dict:
+    """One engine worker's update, in seconds: whole, waiting for bytes, and the loader's phases."""
+    keys = ("seconds", "wait_seconds", "loader_begin_s", "loader_load_s", "loader_repack_s", "finish_seconds")
+    return {
+        key.removeprefix("loader_").removesuffix("_seconds"): round(worker[key], 3) for key in keys if key in worker
     }
 
 

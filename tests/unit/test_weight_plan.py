@@ -7,7 +7,7 @@ import torch
 
 from megatron_rl.models import get_family
 from megatron_rl.parallel.layout import ParallelLayout, rank_coords
-from megatron_rl.weights.buckets import BucketError, pack, unpack
+from megatron_rl.weights.buckets import BucketError, leave_a_core_to_transport, pack, unpack
 from megatron_rl.weights.plan import ALIGN, HEADER_BYTES, TensorSpec, owner_rank, plan_buckets, tensor_specs
 
 
@@ -80,3 +80,12 @@ def test_pack_unpack_round_trip_mixed_dtypes():
         list(unpack(wire, bucket, version=4))
     with pytest.raises(ValueError, match="a: got \\(5, 3\\)"):
         pack(buffer, bucket, {**tensors, "a": torch.randn(5, 3)}, version=3)
+
+
+def test_a_core_is_left_to_the_transport_on_cpu_only_while_buckets_fly():
+    threads = torch.get_num_threads()
+    with leave_a_core_to_transport("cpu"):
+        assert torch.get_num_threads() == max(1, threads - 1)
+    assert torch.get_num_threads() == threads
+    with leave_a_core_to_transport("meta"):
+        assert torch.get_num_threads() == threads
