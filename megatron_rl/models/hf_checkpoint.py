@@ -7,9 +7,11 @@ only when complete, so a failed conversion never leaves a folder that looks like
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -46,14 +48,93 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+"""safetensors dtype codes that `HFCheckpoint` reads itself; tensors of other dtypes go through safetensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """Where one tensor's bytes are in its safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """Absolute file offset of the first byte."""
+    nbytes: int
+
+
+def _read_header(path: Path) -> dict[str, _Entry]:
+    """Tensor name -> _Entry from a safetensors header (8-byte little-endian length, then JSON).
+
+    Entries whose dtype `_TORCH_DTYPES` lacks or whose byte range disagrees with dtype and shape are left out,
+    so they are read through safetensors (which reports a malformed file properly).
+    """
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    entries = {}
+    for name, info in header.items():
+        dtype = _TORCH_DTYPES.get(info.get("dtype")) if name != "__metadata__" else None
+        if dtype is None:
+            continue
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if end - begin == numel * dtype.itemsize:
+            entries[name] = _Entry(dtype, shape, 8 + length + begin, end - begin)
+    return entries
+
+
+def _pread_into(handle, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous tensor `out` with the file's bytes from `offset` on (short files raise OSError)."""
+    if out.numel() == 0:
+        return
+    buffer = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(handle.fileno(), [buffer[done:]], offset + done)
+        if got == 0:
+            raise OSError(f"file ends {len(buffer) - done} bytes early")
+        done += got
+
+
+def _rows_fit(entry: _Entry, out: torch.Tensor, first_row: int) -> bool:
+    """Whether rows `first_row ...` of the stored tensor can be read byte for byte into `out`."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype != entry.dtype:
+        return False
+    if out.dim() == 0 or out.dim() != len(entry.shape) or tuple(out.shape[1:]) != entry.shape[1:]:
+        return False
+    return first_row >= 0 and first_row + out.shape[0] <= entry.shape[0]
+
+
 class HFCheckpoint:
-    """Read-only view of a HF checkpoint folder's tensors, opened lazily file by file."""
+    """Read-only view of a HF checkpoint folder's tensors, opened lazily file by file.
+
+    Tensors are read with plain positioned reads into freshly allocated (or caller-given) memory rather than
+    through safetensors' memory map: on the virtual machines this runs on, touching a file mapping page by page
+    costs about ten times a read() of the same bytes, and the copy out of the mapping is made anyway.
+    """
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a checkpoint folder")
         self._handles: dict[str, object] = {}
+        self._files: dict[str, object] = {}
+        self._headers: dict[str, dict[str, _Entry]] = {}
         self._file_of = self._read_weight_map()
 
     def _read_weight_map(self) -> dict[str, str]:
@@ -88,17 +169,52 @@ class HFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
-        """Load one tensor by name; a CheckpointError names it and its file when that fails."""
+    def _entry(self, name: str) -> tuple[str, _Entry | None]:
+        """(file name, where the tensor's bytes are, or None to read it through safetensors)."""
         if name not in self._file_of:
             raise CheckpointError(f"{self.folder}: tensor {name} is missing")
         fname = self._file_of[name]
+        self._open(fname)  # validates the file, with a CheckpointError naming it
+        if fname not in self._headers:
+            self._headers[fname] = _read_header(self.folder / fname)
+            self._files[fname] = open(self.folder / fname, "rb")  # noqa: SIM115 (kept open for later reads)
+        return fname, self._headers[fname].get(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Load one tensor by name; a CheckpointError names it and its file when that fails."""
+        fname, entry = self._entry(name)
         try:
-            return self._open(fname).get_tensor(name)
+            if entry is None:
+                return self._open(fname).get_tensor(name)
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+            _pread_into(self._files[fname], entry.offset, out)
+            return out
         except CheckpointError:
             raise
         except Exception as err:
             raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name} ({err})") from None
+
+    def layout_of(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """(shape, dtype) of a tensor from its file header, or None when `read_rows_into` cannot read it."""
+        _, entry = self._entry(name)
+        return None if entry is None else (entry.shape, entry.dtype)
+
+    def read_rows_into(self, name: str, out: torch.Tensor, first_row: int) -> bool:
+        """Read rows `first_row ...` of tensor `name` (as many as `out` has) straight into `out`.
+
+        One copy from the file into the destination, no intermediate tensor. Returns False, reading nothing,
+        when that cannot be done: `out` is not a contiguous CPU tensor, dtypes or the trailing dimensions differ,
+        or the rows run past the tensor; the caller then takes the general path (which also reports such mismatches).
+        """
+        fname, entry = self._entry(name)
+        if entry is None or not _rows_fit(entry, out, first_row):
+            return False
+        row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+        try:
+            _pread_into(self._files[fname], entry.offset + first_row * row_bytes, out)
+        except Exception as err:
+            raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name} ({err})") from None
+        return True
 
     def dtype_of(self, name: str) -> str:
         """Torch dtype name (`float32`, `bfloat16`, ...) of a tensor, read from the file header only."""

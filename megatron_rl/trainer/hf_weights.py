@@ -64,6 +64,51 @@ def build_local_tensor(ckpt: HFCheckpoint, rule: ParamRule, arch: ModelArch, ctx
         raise CheckpointError(f"{ckpt.folder}: {shapes} do not fit Megatron {rule.mcore} ({err})") from None
 
 
+DIRECT_TRANSFORMS = ("copy", "gate_up")
+"""Transforms whose full Megatron tensor is just the HF tensors stacked along dim 0 (see `read_direct`)."""
+
+
+def direct_row_plan(ckpt: HFCheckpoint, rule: ParamRule, target: torch.Tensor, ctx: ParallelContext) -> list | None:
+    """[(HF name, its first row, rows)] that stacked give this rank's piece of `rule`, or None if not that simple.
+
+    Simple means: a row-stacking transform, split (if at all) along dim 0 with one tensor-parallel block per HF
+    tensor, each HF tensor readable straight from its file in the target's dtype, and the rows adding up to the
+    target's shape. Anything else (and every mismatch, whose error message the general path words) is None.
+    """
+    size, rank = tp_coords(rule, ctx)
+    split = rule.tp_dim is not None and size > 1
+    if rule.transform not in DIRECT_TRANSFORMS or (split and (rule.tp_dim != 0 or rule.tp_chunks != len(rule.hf))):
+        return None
+    plan = []
+    for name in rule.hf:
+        layout = ckpt.layout_of(name)
+        if layout is None or layout[1] != target.dtype or not layout[0] or layout[0][1:] != tuple(target.shape[1:]):
+            return None
+        rows = layout[0][0]
+        if split and rows % size:
+            return None
+        plan.append((name, rank * rows // size, rows // size) if split else (name, 0, rows))
+    return plan if sum(rows for _, _, rows in plan) == target.shape[0] else None
+
+
+def read_direct(ckpt: HFCheckpoint, rule: ParamRule, target: torch.Tensor, ctx: ParallelContext) -> bool:
+    """Read this rank's rows of the rule's HF tensors straight into `target`; False (nothing read) if not simple.
+
+    The general path reads whole tensors, builds the full Megatron tensor and cuts the shard: three copies of
+    every byte and only part of them kept. Most parameters (expert weights above all) are plain row stacks.
+    """
+    plan = direct_row_plan(ckpt, rule, target, ctx)
+    if plan is None or target.device.type != "cpu" or not target.is_contiguous():  # GPU: the general path
+        return False
+    row = 0
+    for name, first, rows in plan:
+        if not ckpt.read_rows_into(name, target.narrow(0, row, rows), first):
+            # direct_row_plan checked everything read_rows_into checks; reaching this is a bug, not bad input.
+            raise RuntimeError(f"{ckpt.folder}: direct read of {name} refused after it was planned")
+        row += rows
+    return True
+
+
 def check_checkpoint_names(ckpt: HFCheckpoint, table: dict[str, ParamRule]) -> None:
     """Raise a CheckpointError naming the tensors the parameter map expects but the checkpoint lacks, or extras."""
     check_tensor_names(ckpt, (n for r in table.values() for n in r.hf), IGNORED_HF_SUFFIXES)
@@ -89,6 +134,9 @@ def load_hf_into_model(
             items = tqdm(items, desc=f"loading {ckpt.folder.name}", unit="tensor")
         for local, target in items:
             rule = rule_for(table, canonical_name(local, layer_offset, expert_offset), arch)
+            if read_direct(ckpt, rule, target, ctx):
+                nbytes += target.numel() * target.element_size()
+                continue
             piece = build_local_tensor(ckpt, rule, arch, ctx)
             if tuple(piece.shape) != tuple(target.shape):
                 raise CheckpointError(

@@ -22,12 +22,20 @@ class TrainerRank:
 
 
 def bring_up(
-    hf_config: dict, layout: ParallelLayout, opts: BuildOptions, timeout_s: float = 600.0, seed: int = 1234
+    hf_config: dict,
+    layout: ParallelLayout,
+    opts: BuildOptions,
+    timeout_s: float = 600.0,
+    seed: int = 1234,
+    gloo_groups: bool = True,
 ) -> TrainerRank:
-    """Initialise distributed state and build this rank's model for a HF config dictionary."""
+    """Initialise distributed state and build this rank's model for a HF config dictionary.
+
+    `gloo_groups=False` is for processes that build no DistributedOptimizer (see `init_distributed`).
+    """
     family = family_for_hf_config(hf_config)
     arch = family.arch_from_hf(hf_config)
-    ctx = init_distributed(layout, timeout_s=timeout_s, seed=seed)
+    ctx = init_distributed(layout, timeout_s=timeout_s, seed=seed, gloo_groups=gloo_groups)
     model = build_gpt_model(family, arch, hf_config, ctx, opts)
     return TrainerRank(ctx=ctx, family=family, arch=arch, hf_config=hf_config, model=model)
 

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.models.base import CheckpointError
+from megatron_rl.models.base import CheckpointError, ParamRule
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.parallel.layout import LayoutError, ParallelLayout
 from megatron_rl.parallel.torchrun import LaunchError
 from megatron_rl.tools.compare import compare_hf_checkpoints
 from megatron_rl.tools.convert import hf_to_mcore, mcore_to_hf
 from megatron_rl.tools.parity import hf_logprobs, megatron_logprobs, parity_tokens
+from megatron_rl.trainer.hf_weights import build_local_tensor, read_direct
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +27,9 @@ def mcore_tp2_pp2_ep2(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("conv") / "mcore"
     report = hf_to_mcore(tiny_dir("qwen3_moe"), str(out), ParallelLayout(tp=2, pp=2, ep=2))
     assert report["layout"] == "tp2-pp2-ep2-etp1-dp1"
+    # The in-process writer: one file per rank, each written by its rank.
+    assert sorted(p.name for p in out.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    assert report["convert_seconds"] > 0 and report["startup_seconds"] > 0
     return out
 
 
@@ -157,3 +163,51 @@ def test_existing_output_is_not_overwritten(tiny_dir, tmp_path):
 def test_not_a_distributed_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="not a megatron-rl distributed checkpoint"):
         mcore_to_hf(str(tmp_path), str(tmp_path / "out"))
+
+
+def test_hf_checkpoint_reads_match_safetensors(tmp_path):
+    """Positioned reads give what safetensors gives, for every dtype and odd shapes (0-d, empty); dtypes it does
+    not decode itself (fp8) go through safetensors; row reads refuse what they cannot do, reading nothing."""
+    from safetensors import safe_open
+
+    tensors = {
+        "bf16": torch.randn(3, 5).bfloat16(),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "int": torch.arange(7),
+        "half": torch.randn(4, 3, 2).half(),
+        "bool": torch.tensor([True, False]),
+        "fp8": torch.randn(2, 2).to(torch.float8_e4m3fn),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    ckpt, reference = HFCheckpoint(tmp_path), safe_open(str(tmp_path / "model.safetensors"), "pt")
+    for name in tensors:
+        got, want = ckpt.get(name), reference.get_tensor(name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if got.dim() else got == want, name
+    rows = torch.full((2, 5), -1.0, dtype=torch.bfloat16)
+    assert ckpt.read_rows_into("bf16", rows, 1) and torch.equal(rows, tensors["bf16"][1:3])
+    assert not ckpt.read_rows_into("bf16", rows, 2)  # past the end
+    assert not ckpt.read_rows_into("bf16", torch.empty(2, 5), 0)  # other dtype
+    assert not ckpt.read_rows_into("bf16", torch.empty(2, 4, dtype=torch.bfloat16), 0)  # other width
+    assert not ckpt.read_rows_into("fp8", torch.empty(1, 2, dtype=torch.float8_e4m3fn), 0)
+    assert ckpt.layout_of("half") == ((4, 3, 2), torch.float16) and ckpt.layout_of("fp8") is None
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_direct_read_equals_general_path(tp_rank, tmp_path):
+    """The direct row reads give the same shard as building the full tensor and cutting it (gate/up fused and
+    split per TP rank); transforms and splits it does not handle are left to the general path."""
+    gate, up = torch.randn(8, 3), torch.randn(8, 3)
+    save_file({"gate": gate, "up": up, "qkv": torch.randn(4, 4)}, tmp_path / "model.safetensors")
+    ckpt = HFCheckpoint(tmp_path)
+    layout = types.SimpleNamespace(tp=2, etp=1)
+    ctx = types.SimpleNamespace(layout=layout, tp_rank=tp_rank, etp_rank=0)
+    rule = ParamRule(mcore="fc1", hf=("gate", "up"), transform="gate_up", tp_dim=0, tp_chunks=2)
+    target = torch.empty(8, 3)
+    assert read_direct(ckpt, rule, target, ctx)
+    assert torch.equal(target, build_local_tensor(ckpt, rule, None, ctx))
+    split_cols = ParamRule(mcore="proj", hf=("gate",), tp_dim=1)
+    assert not read_direct(ckpt, split_cols, torch.empty(8, 1), ctx)
+    assert not read_direct(ckpt, ParamRule(mcore="x", hf=("gate",)), torch.empty(8, 3, dtype=torch.bfloat16), ctx)
+    assert not read_direct(ckpt, ParamRule(mcore="x", hf=("gate",)), torch.empty(7, 3), ctx)  # wrong shape
