@@ -45,7 +45,13 @@ from pathlib import Path
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.models import CheckpointError, ModelArch, family_for_hf_config, get_family
-from megatron_rl.parallel.layout import LayoutError, ParallelLayout, check_layout_fits_model, stage_layer_counts
+from megatron_rl.parallel.layout import (
+    LayoutError,
+    ParallelLayout,
+    check_layout_fits_model,
+    layout_from_config,
+    stage_layer_counts,
+)
 
 GB = 10**9
 """Bytes in a (decimal) gigabyte, as GPU vendors count."""
@@ -399,11 +405,7 @@ def _stage_gb(stage: StageMemory) -> dict:
 
 
 def _layout(cfg: RunConfig) -> ParallelLayout:
-    p = cfg.trainer.parallel
-    return ParallelLayout(
-        tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, dp=p.dp,
-        first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
-    )  # fmt: skip
+    return layout_from_config(cfg.trainer.parallel)
 
 
 def load_model_config(cfg: RunConfig) -> tuple[dict, str]:

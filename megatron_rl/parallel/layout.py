@@ -78,6 +78,14 @@ class ParallelLayout:
         return kwargs
 
 
+def layout_from_config(parallel) -> ParallelLayout:
+    """The layout of a `trainer.parallel` config section (any object with its fields)."""
+    return ParallelLayout(
+        tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, etp=parallel.etp, dp=parallel.dp,
+        first_stage_layers=parallel.first_stage_layers, last_stage_layers=parallel.last_stage_layers,
+    )  # fmt: skip
+
+
 def check_layout(layout: ParallelLayout, world_size: int | None = None) -> None:
     """Raise LayoutError when sizes are not positive or do not multiply to the world size."""
     for field in ("tp", "pp", "ep", "etp"):

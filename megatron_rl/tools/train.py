@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.config import RunConfig, dump_config
-from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.layout import ParallelLayout, layout_from_config
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
 from megatron_rl.rollout.driver import GenerationError
 from megatron_rl.run_state import ResumeError
@@ -25,11 +25,7 @@ BUFFER_NAME = "rollout-buffer"
 
 def layout_of(cfg: RunConfig) -> ParallelLayout:
     """The trainer layout of a run config."""
-    p = cfg.trainer.parallel
-    return ParallelLayout(
-        tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp, dp=p.dp,
-        first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
-    )  # fmt: skip
+    return layout_from_config(cfg.trainer.parallel)
 
 
 def ensure_model(cfg: RunConfig) -> str:
