@@ -24,17 +24,9 @@ def _add_layout_args(parser: argparse.ArgumentParser, required: bool = False) ->
 
 
 def _layout(args):
-    from megatron_rl.parallel.layout import ParallelLayout
+    from megatron_rl.parallel.layout import layout_from_config
 
-    return ParallelLayout(
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        etp=args.etp,
-        dp=args.dp,
-        first_stage_layers=args.first_stage_layers,
-        last_stage_layers=args.last_stage_layers,
-    )
+    return layout_from_config(args)  # the layout flags carry the `trainer.parallel` field names
 
 
 def cmd_make_tiny(args) -> dict:

@@ -119,7 +119,7 @@ class Run:
 
         from megatron_rl.metrics import MetricsLogger
         from megatron_rl.rollout.ray_utils import join_ray
-        from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync, ray_get_named
+        from megatron_rl.weights.sync import TrainerWeightSync, engine_handles, ray_get_named
 
         self.cfg, self.spec = cfg, spec
         self.trainer = Trainer(cfg)
@@ -131,13 +131,10 @@ class Run:
             self.control = ray.get_actor(spec["control"])
         resume = spec.get("resume_from")
         self.step = self.trainer.load(Path(resume)) if resume else 0
+        handles = engine_handles(spec["engines"], self.is_rank0)
         if self.is_rank0:  # the launcher starts the engines while the trainer loads
-            ready = {name: ray.get_actor(name).ready.remote(cfg.sync.timeout_s) for name, _ in spec["engines"]}
+            ready = {h.name: h.actor.ready.remote(cfg.sync.timeout_s) for h in handles}
             ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the engines to start")
-        handles = [
-            EngineHandle(name, ray.get_actor(name) if self.is_rank0 else None, workers)
-            for name, workers in spec["engines"]
-        ]
         sync = TrainerWeightSync(
             _WeightView(self.trainer), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s,
             host=cfg.sync.bind_host, inflight=_inflight_mode(cfg),

@@ -16,6 +16,8 @@ import asyncio
 import logging
 import time
 
+from megatron_rl.rollout.control import CALL_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
 
@@ -49,14 +51,9 @@ class RecoveringSync:
 
     def resync(self, roster: dict, version: int) -> dict:
         """(Every rank, collectively) re-form the weight groups with the roster's engines and push `version`."""
-        import ray
+        from megatron_rl.weights.sync import engine_handles
 
-        from megatron_rl.weights.sync import EngineHandle
-
-        def actor_of(name: str):
-            return ray.get_actor(name) if self.is_coordinator else None
-
-        self.sync.engines = [EngineHandle(name, actor_of(name), workers) for name, workers in roster["engines"]]
+        self.sync.engines = engine_handles(roster["engines"], self.is_coordinator)
         self.sync.setup()
         self.epoch = roster["epoch"]
         self.resyncs += 1
@@ -129,10 +126,10 @@ class EngineSupervisor:
             raise RuntimeError(f"{name} died again ({reason}) after {count} restart(s) (rollout.max_engine_restarts)")
         self.restarts[name] = count + 1
         log.warning("%s is down (%s): restarting it (restart %d)", name, reason, count + 1)
-        await self.control.engine_down.remote(name, reason)
+        await asyncio.wait_for(self.control.engine_down.remote(name, reason), CALL_TIMEOUT_S)
         start = time.perf_counter()
         actor = await asyncio.get_running_loop().run_in_executor(None, self.pool.restart, name)
-        await self.control.engine_restarted.remote(name)
+        await asyncio.wait_for(self.control.engine_restarted.remote(name), CALL_TIMEOUT_S)
         await self._until_current(name, actor)
         self.driver.bring_back(name, actor)
         log.warning("%s is back at the trainer's weights after %.1f s", name, time.perf_counter() - start)
@@ -140,8 +137,8 @@ class EngineSupervisor:
     async def _until_current(self, name: str, actor) -> None:
         """Wait until the trainer synced the restarted engine (its version reached the trainer's)."""
         while not self._stop.is_set():
-            trainer = (await self.buffer.stats.remote())["trainer_version"]
-            health = await actor.health.remote()
+            trainer = (await asyncio.wait_for(self.buffer.stats.remote(), CALL_TIMEOUT_S))["trainer_version"]
+            health = await asyncio.wait_for(actor.health.remote(), CALL_TIMEOUT_S)
             # Version 0 is the start-up checkpoint, which is what a trainer still at version 0 holds too.
             if health["version"] >= trainer and health["consistent"]:
                 return

@@ -61,15 +61,16 @@ def read_run_state(folder: str | Path) -> dict:
 def write_run_state(folder: str | Path, step: int, buffer_state: dict | None, extra: dict | None = None) -> None:
     """(Rank 0) write the JSON part of a run checkpoint."""
     state = {"format": RUN_STATE_FORMAT, "step": step, "version": step, "buffer": buffer_state, **(extra or {})}
-    _atomic_write(Path(folder) / RUN_STATE, json.dumps(state))
+    write_atomically(Path(folder) / RUN_STATE, json.dumps(state))
 
 
 def mark_latest(save_dir: str | Path, folder: str | Path) -> None:
     """(Rank 0, after every rank finished writing) make `folder` the checkpoint a resume starts from."""
-    _atomic_write(Path(save_dir) / LATEST, Path(folder).name + "\n")
+    write_atomically(Path(save_dir) / LATEST, Path(folder).name + "\n")
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary sibling and a rename: readers see the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -122,5 +123,5 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
     if not path.exists():
         return 0
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
-    _atomic_write(path, "".join(line + "\n" for line in kept))
+    write_atomically(path, "".join(line + "\n" for line in kept))
     return len(kept)

@@ -79,7 +79,7 @@ class ParallelLayout:
 
 
 def layout_from_config(parallel) -> ParallelLayout:
-    """The layout of a `trainer.parallel` config section (any object with its fields)."""
+    """The layout of a `trainer.parallel` config section, or of anything with its field names (the CLI's flags)."""
     return ParallelLayout(
         tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, etp=parallel.etp, dp=parallel.dp,
         first_stage_layers=parallel.first_stage_layers, last_stage_layers=parallel.last_stage_layers,

@@ -15,6 +15,8 @@ from typing import Any
 
 CONTROL_NAME = "run-control"
 TRAINER_STATES = ("starting", "running", "done", "failed")
+CALL_TIMEOUT_S = 60.0
+"""Deadline of one call to the run's bookkeeping actors (run control, buffer), which answer at once unless gone."""
 
 
 class RunControl:

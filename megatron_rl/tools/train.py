@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
 from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.parallel.layout import ParallelLayout, layout_from_config
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
+from megatron_rl.rollout.control import CALL_TIMEOUT_S
 from megatron_rl.rollout.driver import GenerationError
-from megatron_rl.run_state import ResumeError
+from megatron_rl.run_state import ResumeError, write_atomically
 
 ORCHESTRATOR = "megatron_rl.orchestrator"
 BUFFER_NAME = "rollout-buffer"
@@ -89,7 +89,7 @@ class ExternalTrainer:
 
     async def finished(self) -> bool:
         """Whether the trainer reported the end (done or failed) or went silent."""
-        self.status = await self.control.trainer_status.remote()
+        self.status = await asyncio.wait_for(self.control.trainer_status.remote(), CALL_TIMEOUT_S)
         return self.status["state"] in ("done", "failed") or self.status["age_s"] > self.timeout_s
 
     def check(self) -> None:
@@ -121,12 +121,6 @@ async def _drive(driver, supervisor, trainer, poll_s: float = 0.5) -> None:
     driver.stop()
     supervisor.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
@@ -192,7 +186,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
             "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None,
             "world_size": layout.world_size,
         }  # fmt: skip
-        _write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
+        write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
         if external_trainer:
             trainer = ExternalTrainer(control, cfg.trainer.timeout_s + 60)
         else:

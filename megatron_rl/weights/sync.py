@@ -30,6 +30,13 @@ class EngineHandle:
     workers: int = 1
 
 
+def engine_handles(engines: list, coordinator: bool) -> list[EngineHandle]:
+    """Handles of the named engines `[(name, workers), ...]`; only the coordinator (rank 0) looks up their actors."""
+    import ray
+
+    return [EngineHandle(name, ray.get_actor(name) if coordinator else None, workers) for name, workers in engines]
+
+
 def ray_get_named(futures: dict[str, object], timeout_s: float, what: str) -> dict[str, object]:
     """ray.get each engine's future within one deadline; raise SyncError naming every engine that failed."""
     import ray
