@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_gpu_sync_parity(tiny_dir, monkeypatch):
     import torch
 
+    pytest.importorskip("vllm", reason="official vLLM is not installed (an offline GPU machine cannot carry it)")
     if torch.cuda.device_count() < 2:
         pytest.skip("trainer and engine need one GPU each for an NCCL weight group")
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
