@@ -328,6 +328,7 @@ class RolloutBuffer:
                 "drop_log": list(self._drop_log),
                 "trainer_version": self.trainer_version,
                 "prompts": self.prompts.state_dict() if self.prompts is not None else None,
+                "consumed": index_ranges(self._consumed),
             }
 
     def load_state_dict(self, state: dict[str, Any], requeue_in_flight: bool = True) -> None:
@@ -349,6 +350,8 @@ class RolloutBuffer:
             self._dropped = collections.Counter(state["dropped"])
             self._drop_log = collections.deque(state.get("drop_log", []), maxlen=DROP_LOG_SIZE)
             self.trainer_version = int(state["trainer_version"])
+            # Older checkpoints lack it: the handed-out-twice check then covers this process only.
+            self._consumed = indices_of_ranges(state.get("consumed", []))
             if state.get("prompts") is not None:
                 if self.prompts is None:
                     raise RolloutBufferError(
@@ -360,6 +363,23 @@ class RolloutBuffer:
                 self._counters["produced"] -= len(self._in_flight)
                 self._in_flight = {}
             self._cond.notify_all()
+
+
+def index_ranges(indices: set[int]) -> list[list[int]]:
+    """Sorted indices as `[first, last]` runs: prompt indices are consumed nearly in order, so a checkpoint of a
+    long run stores a few runs instead of every index."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return runs
+
+
+def indices_of_ranges(runs: list[list[int]]) -> set[int]:
+    """The set of indices that `index_ranges` wrote as runs."""
+    return {i for first, last in runs for i in range(int(first), int(last) + 1)}
 
 
 def _order_version(group: Group) -> int:

@@ -271,6 +271,27 @@ def test_check_accounting_catches_a_prompt_handed_to_the_trainer_twice():
         buffer.check_accounting()
 
 
+def test_the_handed_out_twice_check_survives_a_resume():
+    buffer = make_buffer()
+    fill(buffer, 2)
+    (group,) = buffer.get_batch(1, current_version=0)
+    restored = make_buffer()
+    restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
+    restored._heap.append((0, 99, group))  # a resume bug that hands a consumed group out again
+    restored.get_batch(2, current_version=0)
+    with pytest.raises(AccountingError, match="1 prompt\\(s\\) were handed to the trainer twice"):
+        restored.check_accounting()
+
+
+def test_consumed_indices_are_stored_as_runs():
+    from megatron_rl.rollout.buffer import index_ranges, indices_of_ranges
+
+    indices = {0, 1, 2, 3, 7, 9, 10}
+    assert index_ranges(indices) == [[0, 3], [7, 7], [9, 10]]
+    assert indices_of_ranges(index_ranges(indices)) == indices
+    assert index_ranges(set()) == [] and indices_of_ranges([]) == set()
+
+
 def test_finite_stream_ends_with_a_partial_batch():
     buffer = make_buffer(count=3, epochs=1, capacity=8)
     fill(buffer, 5)  # only 3 exist
