@@ -1,7 +1,10 @@
 """Surviving a dead engine: the launcher restarts it, the trainer re-forms its weight groups and re-syncs.
 
-Launcher side, `EngineSupervisor`: the driver marks an engine down when its actor dies (its in-flight prompts are
-requeued by the driver's workers); the supervisor replaces the actor (same name, same placement-group bundle,
+Launcher side, `EngineSupervisor`: the driver marks an engine down when its actor dies under a request (its
+in-flight prompts are requeued by the driver's workers), and the supervisor's own health probe catches engines that
+die while nothing is routed to them, e.g. paused for a weight push while the driver waits at its staleness gate
+(without the probe the trainer waited `sync.timeout_s` for a restart that never came). The supervisor replaces the
+actor (same name, same placement-group bundle,
 vLLM started from the checkpoint on disk), publishes the new roster epoch on the run-control actor, and routes
 prompts to it again once the trainer has brought it to the current weights.
 
@@ -19,6 +22,9 @@ import time
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 10.0
+"""How long the supervisor's health probe waits for one engine before taking it as busy (not dead)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,9 +122,43 @@ class EngineSupervisor:
     async def run(self) -> None:
         """Check for dead engines until stopped; raises when an engine died more often than allowed."""
         while not self._stop.is_set():
+            await self.probe()
             for name, reason in list(self.driver.down.items()):
                 await self._restart(name, reason)
             await asyncio.sleep(self.poll_s)
+
+    async def probe(self) -> list[str]:
+        """Ask every engine the driver routes to for its health (all at once); mark the dead ones down; returns
+        their names.
+
+        Dead means the actor is gone (Ray answers at once with an actor error) or vLLM inside it is (`alive`
+        False). An engine that does not answer within `PROBE_TIMEOUT_S` is busy, not dead: a stuck engine is the
+        weight sync's and the requests' deadlines to catch.
+        """
+        names = [name for name in self.driver.engines if name not in self.driver.down]
+        verdicts = await asyncio.gather(*(self._probe_one(self.driver.engines[name]) for name in names))
+        found = []
+        for name, reason in zip(names, verdicts):
+            if reason is not None:
+                self.driver.mark_down(name, reason)
+                found.append(name)
+        return found
+
+    @staticmethod
+    async def _probe_one(actor) -> str | None:
+        """Why `actor`'s engine is dead, or None when it answered healthy or is busy."""
+        from megatron_rl.rollout.driver import is_actor_death
+
+        try:
+            health = await asyncio.wait_for(actor.health.remote(), PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return None
+        except Exception as err:
+            if is_actor_death(err):
+                return f"health probe: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            log.warning("health probe failed (%s: %s); not taking the engine as dead", type(err).__name__, err)
+            return None
+        return None if health.get("alive", True) else "health probe: vLLM inside the actor is dead"
 
     async def _restart(self, name: str, reason: str) -> None:
         count = self.restarts.get(name, 0)

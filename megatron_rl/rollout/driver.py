@@ -136,7 +136,7 @@ class GenerationDriver:
             except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
                 self.stats.engine_failures += 1
                 self.stats.requeued += 1
-                if _is_actor_death(err):
+                if is_actor_death(err):
                     self.mark_down(engine, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
                 await self.buffer.requeue.remote(index, f"{engine}: {type(err).__name__}")
                 self.failure = err
@@ -193,7 +193,7 @@ class GenerationDriver:
         return Group(index, samples)
 
 
-def _is_actor_death(err: BaseException) -> bool:
+def is_actor_death(err: BaseException) -> bool:
     """Whether `err` says the engine's actor process is gone (rather than that one request failed)."""
     import ray
 

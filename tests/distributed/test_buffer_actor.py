@@ -4,8 +4,6 @@ accounting identity holds at the end and every prompt is consumed or dropped exa
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 
 import pytest
 
@@ -50,17 +48,6 @@ def produce(buffer, seed: int) -> dict:
             ray.get(buffer.put_group.remote(Group(index, samples)))
             delivered += 1
     return {"delivered": delivered, "requeued": requeued}
-
-
-@pytest.fixture()
-def local_ray():
-    from megatron_rl.rollout.ray_utils import start_local_ray
-
-    temp_dir = tempfile.mkdtemp(prefix="mrl-ray-", dir="/tmp")  # Ray's socket paths must stay short
-    start_local_ray(num_cpus=2, temp_dir=temp_dir)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_buffer_actor_with_two_producers_and_a_consumer(local_ray):

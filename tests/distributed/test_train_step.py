@@ -188,9 +188,12 @@ def test_ppo_seq_mean_matches_unsharded(reports):
 def test_moe_aux_loss_is_applied_and_matches_unsharded(reports):
     """With moe_aux_loss_coeff > 0 Megatron's load-balancing loss adds router gradients (the reported policy
     loss is unchanged); the same micro-batch composition at EP2 (two DP ranks) gives the same step."""
-    off, on = reports["moe-1x1x1"]["steps"][0], reports["moe-aux-1x1x1"]["steps"][0]
-    assert on["loss"] == pytest.approx(off["loss"], abs=LOSS_TOL)
-    assert abs(on["grad_norm"] - off["grad_norm"]) > 1e-3 * off["grad_norm"]
+    off, on = reports["moe-1x1x1"], reports["moe-aux-1x1x1"]
+    assert on["steps"][0]["loss"] == pytest.approx(off["steps"][0]["loss"], abs=LOSS_TOL)
+    # The router gradients are a small part of the grad norm, but Adam's first update moves every router weight
+    # by about lr whatever its gradient's size, so the aux loss shows in the logprobs after the step.
+    assert _max_eval_diff(off, on, 0) <= LOGPROB_TOL  # same start
+    assert _max_eval_diff(off, on, 1) > 10 * LOGPROB_TOL, _max_eval_diff(off, on, 1)
     _check_match(reports["moe-aux-1x1x1"], reports["moe-aux-ep2"])
 
 

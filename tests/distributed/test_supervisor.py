@@ -1,0 +1,87 @@
+"""The launcher's engine supervisor against real Ray actors: an engine that dies while nothing is routed to it (as
+when it is paused for a weight push and the driver waits at its staleness gate) is found by the health probe,
+restarted and published on the run-control roster; a busy engine is not taken for dead."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from megatron_rl import recovery  # noqa: E402
+from megatron_rl.recovery import EngineSupervisor  # noqa: E402
+from megatron_rl.rollout.buffer import make_buffer_actor  # noqa: E402
+from megatron_rl.rollout.control import make_control_actor  # noqa: E402
+from megatron_rl.rollout.driver import GenerationDriver  # noqa: E402
+
+
+@ray.remote(num_cpus=0)
+class IdleEngine:
+    """An engine actor's health interface; `mode` says how it answers: healthy, vLLM dead, or too slowly."""
+
+    def __init__(self, mode: str = "healthy"):
+        self.mode = mode
+
+    async def health(self) -> dict:
+        if self.mode == "slow":
+            await asyncio.sleep(30)
+        return {"alive": self.mode != "vllm_dead", "version": 0, "consistent": True}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RestartingPool:
+    """What the supervisor needs of an EnginePool: `restart(name)` returns a fresh actor (no vLLM here; the
+    real pool's restart is exercised by tests/e2e/test_faults.py)."""
+
+    def __init__(self):
+        self.restarted: list[str] = []
+
+    def restart(self, name: str):
+        self.restarted.append(name)
+        return IdleEngine.remote()
+
+
+def _supervisor(engines: dict) -> tuple[EngineSupervisor, GenerationDriver, RestartingPool, object]:
+    driver = GenerationDriver(buffer=None, engines=engines, task=None, tokenizer=None, cfg=None, lag=0)
+    control = make_control_actor([(name, 1) for name in engines], name=f"control-{time.monotonic_ns()}")
+    buffer = make_buffer_actor(capacity=4, max_staleness=1, stale_policy="drop")
+    pool = RestartingPool()
+    return EngineSupervisor(pool, driver, control, buffer, max_restarts=1, poll_s=0.2), driver, pool, control
+
+
+def test_an_engine_killed_while_idle_is_found_restarted_and_published(local_ray):
+    engine, healthy = IdleEngine.remote(), IdleEngine.remote()
+    supervisor, driver, pool, control = _supervisor({"engine-0": engine, "engine-1": healthy})
+    os.kill(ray.get(engine.pid.remote(), timeout=30), signal.SIGKILL)
+
+    async def scenario():
+        task = asyncio.create_task(supervisor.run())
+        deadline = time.monotonic() + 60
+        while driver.stats.engine_restarts == 0 and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.2)
+        supervisor.stop()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(scenario())
+    assert pool.restarted == ["engine-0"]
+    assert driver.down == {} and driver.engines["engine-0"] is not engine
+    roster = ray.get(control.roster.remote(), timeout=30)
+    assert roster["epoch"] == 1 and roster["restarts"] == {"engine-0": 1} and roster["down"] == {}
+    assert ray.get(driver.engines["engine-0"].health.remote(), timeout=30)["alive"]
+
+
+def test_probe_marks_a_dead_vllm_down_and_leaves_a_busy_engine_alone(local_ray, monkeypatch):
+    monkeypatch.setattr(recovery, "PROBE_TIMEOUT_S", 1.0)
+    engines = {"dead": IdleEngine.remote("vllm_dead"), "busy": IdleEngine.remote("slow"), "ok": IdleEngine.remote()}
+    supervisor, driver, _, _ = _supervisor(engines)
+    start = time.monotonic()
+    assert asyncio.run(supervisor.probe()) == ["dead"]
+    assert time.monotonic() - start < 10  # one probe round waits at most PROBE_TIMEOUT_S, engines in parallel
+    assert driver.down == {"dead": "health probe: vLLM inside the actor is dead"}
