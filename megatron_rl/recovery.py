@@ -113,6 +113,8 @@ class EngineSupervisor:
         self.max_restarts = max_restarts
         self.poll_s = poll_s
         self.restarts: dict[str, int] = {}
+        self.reasons: dict[str, list[str]] = {}
+        """Why each engine was restarted, in order (a request's actor error, or the health probe's finding)."""
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -165,6 +167,7 @@ class EngineSupervisor:
         if count >= self.max_restarts:
             raise RuntimeError(f"{name} died again ({reason}) after {count} restart(s) (rollout.max_engine_restarts)")
         self.restarts[name] = count + 1
+        self.reasons.setdefault(name, []).append(reason)
         log.warning("%s is down (%s): restarting it (restart %d)", name, reason, count + 1)
         await asyncio.wait_for(self.control.engine_down.remote(name, reason), CALL_TIMEOUT_S)
         start = time.perf_counter()

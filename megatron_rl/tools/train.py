@@ -217,6 +217,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
         "reward_last": records[-1]["reward/mean"] if records else None,
         "reward_best": max((r["reward/mean"] for r in records), default=None),
         "accounting": accounting, "driver": vars(driver.stats), "engine_restarts": supervisor.restarts,
+        "engine_restart_reasons": supervisor.reasons,
         "engines": engines, "task": task.report(),
     }  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

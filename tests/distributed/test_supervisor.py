@@ -71,6 +71,7 @@ def test_an_engine_killed_while_idle_is_found_restarted_and_published(local_ray)
 
     asyncio.run(scenario())
     assert pool.restarted == ["engine-0"]
+    assert supervisor.reasons["engine-0"][0].startswith("health probe: ")
     assert driver.down == {} and driver.engines["engine-0"] is not engine
     roster = ray.get(control.roster.remote(), timeout=30)
     assert roster["epoch"] == 1 and roster["restarts"] == {"engine-0": 1} and roster["down"] == {}
