@@ -81,6 +81,7 @@ def test_an_engine_killed_while_idle_is_found_restarted_and_published(local_ray)
 def test_probe_marks_a_dead_vllm_down_and_leaves_a_busy_engine_alone(local_ray, monkeypatch):
     monkeypatch.setattr(recovery, "PROBE_TIMEOUT_S", 1.0)
     engines = {"dead": IdleEngine.remote("vllm_dead"), "busy": IdleEngine.remote("slow"), "ok": IdleEngine.remote()}
+    ray.get([actor.pid.remote() for actor in engines.values()], timeout=60)  # started: a probe times only answers
     supervisor, driver, _, _ = _supervisor(engines)
     start = time.monotonic()
     assert asyncio.run(supervisor.probe()) == ["dead"]
