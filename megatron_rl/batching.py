@@ -37,7 +37,10 @@ def groups_to_batch(groups: list[Group], advantage: str, tp: int, pad_id: int = 
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
     advantages = compute_advantages(advantage, rewards, group_ids=group_ids)
-    return TrainBatch(tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour)
+    lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
+    return TrainBatch(
+        tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths
+    )
 
 
 def rollout_stats(groups: list[Group], trainer_version: int) -> dict:

@@ -31,6 +31,9 @@ class TrainBatch:
     """`[B, S-1]` logprobs under the weights the step starts from (decoupled PPO); see `train_step`."""
     ref_logprobs: Tensor | None = None
     """`[B, S-1]` logprobs under the reference policy (KL penalty only)."""
+    lengths: Tensor | None = None
+    """`[B]` int64 real tokens (prompt + response) of each sequence; the rest of its row is padding. Without it
+    a row ends at its last response token."""
 
     @property
     def batch_size(self) -> int:
@@ -58,8 +61,21 @@ class TrainBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, s - 1):
                 raise ValueError(f"{name}: expected shape {(b, s - 1)}, got {tuple(value.shape)}")
+        if self.lengths is not None and (tuple(self.lengths.shape) != (b,) or bool((self.lengths > s).any())):
+            raise ValueError(f"lengths: expected shape {(b,)} with values <= {s}, got {self.lengths.tolist()}")
         if tuple(self.advantages.shape) not in ((b,), (b, s - 1)):
             raise ValueError(f"advantages: expected shape {(b,)} or {(b, s - 1)}, got {tuple(self.advantages.shape)}")
+
+    def padding_mask(self) -> Tensor:
+        """`[B, S]` bool, True at the right padding: from `lengths` when given, else every position after a
+        sequence's last response token (a sequence without response tokens then gets no padding marks)."""
+        columns = torch.arange(self.seq_len, device=self.tokens.device).expand(self.batch_size, -1)
+        if self.lengths is not None:
+            return columns >= self.lengths.to(columns.device)[:, None]
+        mask = self.loss_mask.bool()
+        # loss_mask[:, t] marks the prediction of tokens[:, t + 1]: the last response token sits at t + 1.
+        last = torch.where(mask, columns[:, 1:], torch.zeros_like(columns[:, 1:])).amax(dim=1, keepdim=True)
+        return (columns > last) & mask.any(dim=1, keepdim=True)
 
     def select(self, rows: slice | Tensor) -> TrainBatch:
         """The sequences at `rows` (a slice or index tensor), every field cut alike."""

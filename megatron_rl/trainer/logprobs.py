@@ -18,11 +18,29 @@ def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def model_inputs(tokens: torch.Tensor, device: torch.device) -> dict:
-    """Input ids, position ids and labels for a [batch, seq] token tensor (causal mask built by Megatron)."""
+def model_inputs(tokens: torch.Tensor, device: torch.device, padding_mask: torch.Tensor | None = None) -> dict:
+    """Input ids, position ids and labels for a [batch, seq] token tensor (causal mask built by Megatron), and
+    the MoE routers' padding mask when given (see `stage_padding_mask`)."""
     tokens = tokens.to(device)
     positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    return {"input_ids": tokens, "position_ids": positions, "attention_mask": None, "labels": shifted_labels(tokens)}
+    inputs = {"input_ids": tokens, "position_ids": positions, "attention_mask": None, "labels": shifted_labels(tokens)}
+    if padding_mask is not None:
+        inputs["padding_mask"] = padding_mask.to(device)
+    return inputs
+
+
+def stage_padding_mask(padding: torch.Tensor, ctx: ParallelContext, sequence_parallel: bool) -> torch.Tensor:
+    """The `[B, S]` padding mask (True = padding) as this pipeline stage's GPTModel takes it.
+
+    Megatron's MoE routers leave padding out of the load-balancing losses and the expert-bias token counts
+    when given it. The first stage scatters it to sequence-parallel shards itself (with the embeddings); later
+    stages get hidden states already sharded along the sequence and pass the mask on as it came (megatron-core
+    0.16.1), so they must get this TP rank's sequence slice.
+    """
+    if ctx.is_first_stage or not sequence_parallel or ctx.layout.tp == 1:
+        return padding
+    chunk = padding.shape[1] // ctx.layout.tp
+    return padding[:, ctx.tp_rank * chunk : (ctx.tp_rank + 1) * chunk]
 
 
 def _logprob_step(data_iterator, model):

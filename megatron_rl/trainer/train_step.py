@@ -43,8 +43,8 @@ from megatron_rl.algorithms.metrics import as_bool_mask, masked_count, masked_me
 from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.batch import TrainBatch
-from megatron_rl.trainer.logprobs import forward_logprobs, model_inputs
-from megatron_rl.trainer.optimizer import TrainingState, current_lr, zero_grads
+from megatron_rl.trainer.logprobs import forward_logprobs, model_inputs, stage_padding_mask
+from megatron_rl.trainer.optimizer import TrainingState, current_lr, unwrap_model, zero_grads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +156,23 @@ def _train_forward_step(algo: AlgorithmConfig, norms: Normalizers | None, scale:
     return output, partial(_loss_func, item["batch"], algo, norms, scale)
 
 
-def _micro_batches(batch: TrainBatch, ctx: ParallelContext, micro_batch_size: int) -> list[dict]:
-    """Model inputs (and, on the last stage, the loss inputs) of each micro-batch."""
+def _micro_batches(batch: TrainBatch, ctx: ParallelContext, micro_batch_size: int, model) -> list[dict]:
+    """Model inputs (and, on the last stage, the loss inputs) of each micro-batch.
+
+    RL batches are right-padded to their longest response, often more padding than tokens: the MoE routers get
+    the padding mask so that padding tokens count in neither the load-balancing losses nor the expert-bias
+    token counts. Not for routers with expert bias: megatron-core 0.16.1 masks their `[tokens, experts]`
+    routing map with a `[tokens]` mask (`Router._apply_expert_bias`), which fails to broadcast.
+    """
+    config = unwrap_model(model).config
+    use_mask = bool(getattr(config, "num_moe_experts", None)) and not getattr(
+        config, "moe_router_enable_expert_bias", False
+    )
     items = []
     for mb in batch.split(micro_batch_size):
         loss_inputs = mb.to(ctx.device) if ctx.is_last_stage else None
-        items.append({"inputs": model_inputs(mb.tokens, ctx.device), "batch": loss_inputs})
+        padding = stage_padding_mask(mb.padding_mask(), ctx, config.sequence_parallel) if use_mask else None
+        items.append({"inputs": model_inputs(mb.tokens, ctx.device, padding), "batch": loss_inputs})
     return items
 
 
@@ -175,7 +186,7 @@ def forward_backward(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     norms = global_normalizers(batch, algo, ctx) if ctx.is_last_stage else None
-    items = _micro_batches(batch, ctx, micro_batch_size)
+    items = _micro_batches(batch, ctx, micro_batch_size, model)
     scale = float(len(items) * ctx.layout.data_parallel)
     model.train()
     outputs = get_forward_backward_func()(

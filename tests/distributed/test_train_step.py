@@ -46,11 +46,13 @@ def make_batch(hf_dir: str, seed: int, noise: float = 0.3, positive: bool = Fals
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
     mask = torch.zeros(BATCH, SEQ - 1)
+    lengths = torch.zeros(BATCH, dtype=torch.long)
     for i in range(BATCH):
         prompt = int(torch.randint(4, 12, (1,), generator=gen))
         response = 0 if i == BATCH - 1 else int(torch.randint(4, SEQ - prompt + 1, (1,), generator=gen))
         tokens[i, prompt + response :] = 0
         mask[i, prompt - 1 : prompt - 1 + response] = 1
+        lengths[i] = prompt + response
     logprobs = hf_logprobs(hf_dir, tokens)
     behaviour = (logprobs + noise * torch.randn(logprobs.shape, generator=gen)) * mask
     ref = (logprobs + 0.2 * torch.randn(logprobs.shape, generator=gen)) * mask
@@ -61,7 +63,20 @@ def make_batch(hf_dir: str, seed: int, noise: float = 0.3, positive: bool = Fals
         "advantages": advantages,
         "behaviour_logprobs": behaviour,
         "ref_logprobs": ref,
+        "lengths": lengths,
     }
+
+
+def _right_pad(path: str, out: Path, extra: int, seed: int) -> str:
+    """The batch at `path` with `extra` more columns of random tokens (outside every mask) saved to `out`."""
+    batch = torch.load(path)
+    gen = torch.Generator().manual_seed(100 + seed)
+    rows = batch["tokens"].shape[0]
+    batch["tokens"] = torch.cat([batch["tokens"], torch.randint(3, VOCAB, (rows, extra), generator=gen)], dim=1)
+    for key in ("loss_mask", "behaviour_logprobs", "ref_logprobs"):
+        batch[key] = torch.nn.functional.pad(batch[key], (0, extra))
+    torch.save(batch, out)
+    return str(out)
 
 
 def _case(name, root: Path, hf, layout, batches, eval_tokens, algo=DECOUPLED, mbs=2, **extra) -> dict:
@@ -99,6 +114,7 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
     learn_tokens = str(root / "learn_tokens.pt")
     torch.save(torch.load(files["learn"])["tokens"], learn_tokens)
     moe_batches, dense_batches = [files["moe0"], files["moe1"]], [files["dense0"], files["dense1"]]
+    padded_batches = [_right_pad(path, root / f"padded-{i}.pt", extra=8, seed=i) for i, path in enumerate(moe_batches)]
     ckpt = str(root / "ckpt-ep2")
 
     def moe_case(name, layout, **kw):
@@ -114,6 +130,7 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         dense_case("dense-1x1x1", {}),
         _case("learn", root, moe, {}, [files["learn"]] * 4, learn_tokens, mbs=4, total_steps=4),
         moe_case("moe-aux-1x1x1", {}, moe_aux_loss_coeff=0.01),
+        _case("moe-aux-padded-1x1x1", root, moe, {}, padded_batches, eval_path, moe_aux_loss_coeff=0.01),
     ]
     world2 = [moe_case(f"moe-{name}", layout) for name, layout in LAYOUTS.items() if name != "ep2"]
     world2 += [
@@ -122,6 +139,8 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         moe_case("moe-ep2", LAYOUTS["ep2"], save_dir=ckpt, save_after=1),
         moe_case("moe-ppo-ep2", LAYOUTS["ep2"], algo=PPO_SEQ),
         moe_case("moe-aux-ep2", LAYOUTS["ep2"], moe_aux_loss_coeff=0.01),
+        _case("moe-aux-padded-tp2", root, moe, {"tp": 2}, padded_batches, eval_path, moe_aux_loss_coeff=0.01),
+        _case("moe-aux-padded-pp2", root, moe, {"pp": 2}, padded_batches, eval_path, moe_aux_loss_coeff=0.01),
         dense_case("dense-tp2", {"tp": 2}),
         dense_case("dense-pp2", {"pp": 2}),
     ]
@@ -195,6 +214,18 @@ def test_moe_aux_loss_is_applied_and_matches_unsharded(reports):
     assert _max_eval_diff(off, on, 0) <= LOGPROB_TOL  # same start
     assert _max_eval_diff(off, on, 1) > 10 * LOGPROB_TOL, _max_eval_diff(off, on, 1)
     _check_match(reports["moe-aux-1x1x1"], reports["moe-aux-ep2"])
+
+
+@pytest.mark.parametrize("name", ["moe-aux-padded-1x1x1", "moe-aux-padded-tp2", "moe-aux-padded-pp2"])
+def test_right_padding_changes_nothing_with_the_aux_loss(reports, name):
+    """RL batches are padded to their longest response: the routers must leave padding out of the
+    load-balancing loss (Megatron's padding mask), or extra padding would change the update."""
+    padded, plain = reports[name], reports["moe-aux-1x1x1"]
+    for want, have in zip(plain["steps"], padded["steps"], strict=True):
+        assert abs(want["loss"] - have["loss"]) <= LOSS_TOL
+        assert abs(want["grad_norm"] - have["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (want, have)
+    for i in range(len(plain["evals"])):
+        assert _max_eval_diff(plain, padded, i) <= LOGPROB_TOL, (i, _max_eval_diff(plain, padded, i))
 
 
 def test_micro_batch_size_invariance(reports):

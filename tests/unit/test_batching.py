@@ -53,3 +53,40 @@ def test_rollout_stats_staleness_is_the_oldest_token():
 def test_pad_length():
     assert [pad_length(n, 4) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
     assert torch.equal(groups_to_batch(_groups(), "grpo", tp=1).tokens[:, 5:], torch.zeros(4, 1, dtype=torch.long))
+
+
+def test_padding_mask_from_lengths_and_from_the_loss_mask():
+    from megatron_rl.trainer.batch import TrainBatch
+
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.float32)
+    batch = TrainBatch(
+        tokens=torch.arange(12).view(2, 6), loss_mask=mask, advantages=torch.zeros(2), behaviour_logprobs=mask * 0
+    )
+    # Without lengths: row 0 ends at its last response token (position 4); row 1 has no known end.
+    assert batch.padding_mask().tolist() == [[False] * 5 + [True], [False] * 6]
+    with_lengths = batch.replace(lengths=torch.tensor([5, 3]))
+    assert with_lengths.padding_mask().tolist() == [[False] * 5 + [True], [False] * 3 + [True] * 3]
+    with pytest.raises(ValueError, match="lengths"):
+        batch.replace(lengths=torch.tensor([7, 3])).validate()
+
+
+def test_stage_padding_mask_is_the_tp_ranks_sequence_slice_after_the_first_stage():
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.logprobs import stage_padding_mask
+
+    padding = torch.arange(8).view(1, 8) >= 5
+    layout = SimpleNamespace(tp=2)
+    first = SimpleNamespace(is_first_stage=True, layout=layout, tp_rank=1)
+    later = SimpleNamespace(is_first_stage=False, layout=layout, tp_rank=1)
+    assert stage_padding_mask(padding, first, sequence_parallel=True) is padding  # Megatron scatters it there
+    assert stage_padding_mask(padding, later, sequence_parallel=True).tolist() == [[False, True, True, True]]
+    assert stage_padding_mask(padding, later, sequence_parallel=False) is padding
+
+
+def test_batches_carry_each_sequence_length():
+    groups = _groups()
+    batch = groups_to_batch(groups, "grpo", tp=4)
+    want = [len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g.samples]
+    assert batch.lengths.tolist() == want
+    assert batch.padding_mask().sum(dim=1).tolist() == [batch.seq_len - n for n in want]
