@@ -13,8 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.cpu_patches import apply_cpu_patches
 from megatron_rl.parallel.layout import ParallelLayout, check_layout, rank_coords
+from megatron_rl.parallel.patches import apply_patches
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ def init_distributed(
     `gloo_groups=False` skips Megatron's extra gloo copies of the data-parallel groups, which only the
     DistributedOptimizer's checkpoint paths use (for processes that build no optimizer, e.g. conversion).
     """
-    apply_cpu_patches()
+    apply_patches()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

@@ -107,11 +107,11 @@ def start_up(timeout_s: float = 600.0) -> float:
     waits for the slowest rank to get there. Doing it before the timer keeps `convert_seconds` to the
     conversion itself (wall time, reported beside it, still includes it).
     """
-    from megatron_rl.parallel.cpu_patches import apply_cpu_patches
     from megatron_rl.parallel.groups import join_process_group
+    from megatron_rl.parallel.patches import apply_patches
 
     start = time.perf_counter()
-    apply_cpu_patches()  # imports megatron.core
+    apply_patches()  # imports megatron.core
     for module in STARTUP_IMPORTS:
         importlib.import_module(module)
     join_process_group(timeout_s)

@@ -161,13 +161,10 @@ def _micro_batches(batch: TrainBatch, ctx: ParallelContext, micro_batch_size: in
 
     RL batches are right-padded to their longest response, often more padding than tokens: the MoE routers get
     the padding mask so that padding tokens count in neither the load-balancing losses nor the expert-bias
-    token counts. Not for routers with expert bias: megatron-core 0.16.1 masks their `[tokens, experts]`
-    routing map with a `[tokens]` mask (`Router._apply_expert_bias`), which fails to broadcast.
+    token counts (the latter needs `parallel/patches.py`'s expert-bias fix).
     """
     config = unwrap_model(model).config
-    use_mask = bool(getattr(config, "num_moe_experts", None)) and not getattr(
-        config, "moe_router_enable_expert_bias", False
-    )
+    use_mask = bool(getattr(config, "num_moe_experts", None))
     items = []
     for mb in batch.split(micro_batch_size):
         loss_inputs = mb.to(ctx.device) if ctx.is_last_stage else None

@@ -98,11 +98,13 @@ def _case(name, root: Path, hf, layout, batches, eval_tokens, algo=DECOUPLED, mb
 
 def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
     """Write the batches and return the cases of each world size."""
-    moe, dense = tiny_dir("qwen3_moe"), tiny_dir("qwen3")
+    moe, dense, ds = tiny_dir("qwen3_moe"), tiny_dir("qwen3"), tiny_dir("deepseek_v3")
     files = {}
     for key, hf, seed, kwargs in (
         ("moe0", moe, 0, {}),
         ("moe1", moe, 1, {}),
+        ("ds0", ds, 5, {}),
+        ("ds1", ds, 6, {}),
         ("dense0", dense, 2, {}),
         ("dense1", dense, 3, {}),
         ("learn", moe, 4, {"noise": 0.0, "positive": True}),
@@ -115,6 +117,8 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
     torch.save(torch.load(files["learn"])["tokens"], learn_tokens)
     moe_batches, dense_batches = [files["moe0"], files["moe1"]], [files["dense0"], files["dense1"]]
     padded_batches = [_right_pad(path, root / f"padded-{i}.pt", extra=8, seed=i) for i, path in enumerate(moe_batches)]
+    ds_batches = [files["ds0"], files["ds1"]]
+    ds_padded = [_right_pad(path, root / f"ds-padded-{i}.pt", extra=8, seed=i) for i, path in enumerate(ds_batches)]
     ckpt = str(root / "ckpt-ep2")
 
     def moe_case(name, layout, **kw):
@@ -131,6 +135,9 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         _case("learn", root, moe, {}, [files["learn"]] * 4, learn_tokens, mbs=4, total_steps=4),
         moe_case("moe-aux-1x1x1", {}, moe_aux_loss_coeff=0.01),
         _case("moe-aux-padded-1x1x1", root, moe, {}, padded_batches, eval_path, moe_aux_loss_coeff=0.01),
+        # DeepSeek-V3's router has expert bias (no aux loss): its update counts tokens per expert.
+        _case("ds-1x1x1", root, ds, {}, ds_batches, eval_path),
+        _case("ds-padded-1x1x1", root, ds, {}, ds_padded, eval_path),
     ]
     world2 = [moe_case(f"moe-{name}", layout) for name, layout in LAYOUTS.items() if name != "ep2"]
     world2 += [
@@ -224,6 +231,16 @@ def test_right_padding_changes_nothing_with_the_aux_loss(reports, name):
     for want, have in zip(plain["steps"], padded["steps"], strict=True):
         assert abs(want["loss"] - have["loss"]) <= LOSS_TOL
         assert abs(want["grad_norm"] - have["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (want, have)
+    for i in range(len(plain["evals"])):
+        assert _max_eval_diff(plain, padded, i) <= LOGPROB_TOL, (i, _max_eval_diff(plain, padded, i))
+
+
+def test_right_padding_changes_nothing_in_the_expert_bias_update(reports):
+    """DeepSeek-V3's expert bias moves by the sign of each expert's token count against the mean: padding
+    tokens must not count (the padding mask, with parallel/patches.py's fix of Megatron's mask broadcast)."""
+    plain, padded = reports["ds-1x1x1"], reports["ds-padded-1x1x1"]
+    for want, have in zip(plain["steps"], padded["steps"], strict=True):
+        assert abs(want["loss"] - have["loss"]) <= LOSS_TOL
     for i in range(len(plain["evals"])):
         assert _max_eval_diff(plain, padded, i) <= LOGPROB_TOL, (i, _max_eval_diff(plain, padded, i))
 

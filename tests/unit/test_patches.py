@@ -1,4 +1,4 @@
-"""The Megatron-Core CPU patches: applied by one call, idempotent, each doing what its docstring says.
+"""The Megatron-Core patches: applied by one call, idempotent, each doing what its docstring says.
 
 Runs in a subprocess so that the patched torch.cuda does not leak into other tests. The parity tests in
 tests/distributed exercise every patch end to end; the optimizer patches (and the shared-step fix, which needs a whole
@@ -15,9 +15,9 @@ import pytest
 
 CHECK = r"""
 import json, torch
-from megatron_rl.parallel.cpu_patches import apply_cpu_patches
-names = apply_cpu_patches()
-again = apply_cpu_patches()
+from megatron_rl.parallel.patches import apply_patches
+names = apply_patches()
+again = apply_patches()
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.transformer import utils as tutils, torch_norm, multi_latent_attention
 from megatron.core.transformer.moe import moe_utils
@@ -60,6 +60,7 @@ def test_all_patches_applied_once(patched):
         "moe_utils_te_names",
         "local_attention_mla_channels",
         "mla_have_te_flag",
+        "expert_bias_padding_mask",
     }
     assert patched["idempotent"]
 
@@ -81,8 +82,8 @@ def test_te_fallbacks(patched):
 def test_split_sizes_become_lists():
     code = r"""
 import torch
-from megatron_rl.parallel.cpu_patches import apply_cpu_patches
-apply_cpu_patches()
+from megatron_rl.parallel.patches import apply_patches
+apply_patches()
 from megatron.core.tensor_parallel import mappings
 seen = {}
 def fake_all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None):
@@ -102,8 +103,8 @@ print(seen['types'])
 def test_optimizer_patches():
     code = r"""
 import json, types, torch
-from megatron_rl.parallel.cpu_patches import apply_cpu_patches
-apply_cpu_patches()
+from megatron_rl.parallel.patches import apply_patches
+apply_patches()
 from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer as opt_mod
 cls = distrib_optimizer.DistributedOptimizer
 out = {"builder_is_classmethod": isinstance(cls.__dict__["_build_model_and_main_param_groups"], classmethod)}
@@ -132,3 +133,21 @@ print(json.dumps(out))
     assert out["clipped"] == 0.5
     assert out["type_restored"] == "torch.FloatTensor"
     assert out["set_states"] == [1.0, 2.0, 3.0, 5.0]
+
+
+def test_expert_bias_counts_leave_padding_out():
+    """megatron-core 0.16.1 broadcast the [tokens] padding mask along the experts of the [tokens, experts] map."""
+    code = r"""
+import types, torch
+from megatron_rl.parallel.patches import apply_patches
+apply_patches()
+from megatron.core.transformer.moe.router import TopKRouter
+router = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
+routing_map = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 0, 1], [0, 1, 1]], dtype=torch.bool)
+padding = torch.tensor([False, False, True, True, False])
+TopKRouter._apply_expert_bias(router, routing_map, padding_mask=padding)
+print(router.local_tokens_per_expert.tolist())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[1.0, 2.0, 3.0]"

@@ -1,8 +1,9 @@
-"""Every patch this project makes to third-party internals so that Megatron-Core runs on CPU with gloo.
+"""Every patch this project makes to third-party internals: Megatron-Core fixes needed on any device, and the
+patches that make Megatron-Core run on CPU with gloo.
 
-Applied by one call, `apply_cpu_patches()`, only when CUDA is unavailable; idempotent. Each patch names the
-failure it fixes and the versions it was checked on (megatron-core 0.16.1, torch 2.13.0+cpu). On a GPU machine
-nothing here runs.
+Applied by one call, `apply_patches()`, idempotent: the device-independent fixes always, the CPU patches only
+when CUDA is unavailable. Each patch names the failure it fixes and the versions it was checked on
+(megatron-core 0.16.1, torch 2.13.0+cpu).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ _APPLIED: list[str] = []
 
 
 def applied_patches() -> list[str]:
-    """Names of the patches applied in this process (empty on GPU)."""
+    """Names of the patches applied in this process (on GPU only the device-independent fixes)."""
     return list(_APPLIED)
 
 
@@ -329,7 +330,32 @@ def _patch_mla_have_te_flag() -> None:
     multi_latent_attention.HAVE_TE = False
 
 
-_PATCHES = (
+def _patch_expert_bias_padding_mask() -> None:
+    """Failure (any device): `TopKRouter._apply_expert_bias` masks the `[tokens, experts]` routing map with the
+    flattened `[tokens]` padding mask (`routing_map & (~padding_mask)`), which broadcasts along the experts
+    instead of the tokens: it raises for any batch whose token count differs from the number of experts, and
+    silently miscounts when they are equal. So a router with expert bias (DeepSeek-V3) could not be given the
+    padding mask, and counted padding tokens in its bias update. Fix: give the mask its experts dimension.
+    megatron-core 0.16.1.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def wrap(original):
+        @functools.wraps(original)
+        def _apply_expert_bias(self, routing_map, padding_mask=None):
+            if padding_mask is not None and padding_mask.dim() == routing_map.dim() - 1:
+                padding_mask = padding_mask.unsqueeze(-1)
+            return original(self, routing_map, padding_mask=padding_mask)
+
+        return _apply_expert_bias
+
+    _wrap_method(TopKRouter, "_apply_expert_bias", wrap)
+
+
+_ALL_DEVICES = (_patch_expert_bias_padding_mask,)
+"""Fixes of Megatron-Core itself, applied on every device."""
+
+_CPU_ONLY = (
     _patch_torch_cuda_shims,
     _patch_rng_tracker,
     _patch_literal_cuda_devices,
@@ -342,13 +368,16 @@ _PATCHES = (
     _patch_local_attention_mla_channels,
     _patch_mla_have_te_flag,
 )
+"""What Megatron-Core needs to run on CPU with gloo; not applied when CUDA is available."""
 
 
-def apply_cpu_patches() -> list[str]:
-    """Apply every CPU patch once, only when CUDA is unavailable; return the names applied."""
-    if torch.cuda.is_available() or _APPLIED:
+def apply_patches() -> list[str]:
+    """Apply every patch once: the device-independent fixes, and the CPU patches when CUDA is unavailable;
+    return the names applied in this process."""
+    if _APPLIED:
         return applied_patches()
-    for patch in _PATCHES:
+    patches = _ALL_DEVICES + (() if torch.cuda.is_available() else _CPU_ONLY)
+    for patch in patches:
         patch()
         _APPLIED.append(patch.__name__.removeprefix("_patch_"))
     return applied_patches()
