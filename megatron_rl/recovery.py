@@ -122,11 +122,30 @@ class EngineSupervisor:
         self._stop.set()
 
     async def run(self) -> None:
-        """Check for dead engines until stopped; raises when an engine died more often than allowed."""
+        """Restart dead engines until stopped; raises when an engine died more often than allowed.
+
+        The health probe runs as its own task and each restart as another, so neither a slow engine nor a
+        restart waiting for the trainer's re-sync keeps a second dead engine from being found and restarted
+        (the trainer re-syncs only once no engine is down).
+        """
+        probing = asyncio.create_task(self._probe_until_stopped())
+        restarts: dict[str, asyncio.Task] = {}
+        try:
+            while not self._stop.is_set():
+                for task in (probing, *restarts.values()):
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()
+                for name, reason in list(self.driver.down.items()):
+                    if name not in restarts or restarts[name].done():  # still down after a bring-back: died again
+                        restarts[name] = asyncio.create_task(self._restart(name, reason))
+                await asyncio.sleep(self.poll_s)
+        finally:
+            for task in (probing, *restarts.values()):
+                task.cancel()
+
+    async def _probe_until_stopped(self) -> None:
         while not self._stop.is_set():
             await self.probe()
-            for name, reason in list(self.driver.down.items()):
-                await self._restart(name, reason)
             await asyncio.sleep(self.poll_s)
 
     async def probe(self) -> list[str]:
@@ -173,7 +192,16 @@ class EngineSupervisor:
         start = time.perf_counter()
         actor = await asyncio.get_running_loop().run_in_executor(None, self.pool.restart, name)
         await asyncio.wait_for(self.control.engine_restarted.remote(name), CALL_TIMEOUT_S)
-        await self._until_current(name, actor)
+        try:
+            await self._until_current(name, actor)
+        except Exception as err:
+            from megatron_rl.rollout.driver import is_actor_death
+
+            if not is_actor_death(err):
+                raise
+            # Still down: `run` starts the next restart, within the same budget.
+            self.driver.down[name] = f"died again before it was current: {type(err).__name__}"
+            return
         self.driver.bring_back(name, actor)
         log.warning("%s is back at the trainer's weights after %.1f s", name, time.perf_counter() - start)
 

@@ -1,1 +1,1 @@
-"""Process-group set-up, rank layout arithmetic, and the Megatron-Core CPU patches."""
+"""Process-group set-up, rank layout arithmetic, and every patch to Megatron-Core (`patches.py`)."""

@@ -101,7 +101,7 @@ def mcore_to_hf(spec: dict) -> None:
 
 
 def start_up(timeout_s: float = 600.0) -> float:
-    """Import Megatron, apply the CPU patches and join the process group; return the seconds it took.
+    """Import Megatron, apply the Megatron-Core patches and join the process group; return the seconds it took.
 
     This is process start-up, not conversion work: the imports take seconds on a busy host, and the rendezvous
     waits for the slowest rank to get there. Doing it before the timer keeps `convert_seconds` to the

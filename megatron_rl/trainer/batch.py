@@ -61,8 +61,15 @@ class TrainBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, s - 1):
                 raise ValueError(f"{name}: expected shape {(b, s - 1)}, got {tuple(value.shape)}")
-        if self.lengths is not None and (tuple(self.lengths.shape) != (b,) or bool((self.lengths > s).any())):
-            raise ValueError(f"lengths: expected shape {(b,)} with values <= {s}, got {self.lengths.tolist()}")
+        if self.lengths is not None:
+            lengths = self.lengths
+            if tuple(lengths.shape) != (b,) or bool((lengths < 1).any()) or bool((lengths > s).any()):
+                raise ValueError(f"lengths: expected shape {(b,)} with values in [1, {s}], got {lengths.tolist()}")
+            # No response token beyond a sequence's end (the mask's position t predicts token t + 1).
+            beyond = self.loss_mask.bool() & (torch.arange(1, s, device=lengths.device) >= lengths[:, None])
+            if bool(beyond.any()):
+                row = int(beyond.any(dim=1).nonzero()[0])
+                raise ValueError(f"lengths: row {row} has loss_mask beyond its length {int(lengths[row])}")
         if tuple(self.advantages.shape) not in ((b,), (b, s - 1)):
             raise ValueError(f"advantages: expected shape {(b,)} or {(b, s - 1)}, got {tuple(self.advantages.shape)}")
 

@@ -78,12 +78,40 @@ def test_an_engine_killed_while_idle_is_found_restarted_and_published(local_ray)
     assert ray.get(driver.engines["engine-0"].health.remote(), timeout=30)["alive"]
 
 
-def test_probe_marks_a_dead_vllm_down_and_leaves_a_busy_engine_alone(local_ray, monkeypatch):
-    monkeypatch.setattr(recovery, "PROBE_TIMEOUT_S", 1.0)
-    engines = {"dead": IdleEngine.remote("vllm_dead"), "busy": IdleEngine.remote("slow"), "ok": IdleEngine.remote()}
+def test_probe_marks_a_dead_vllm_down_and_leaves_busy_engines_alone(local_ray, monkeypatch):
+    monkeypatch.setattr(recovery, "PROBE_TIMEOUT_S", 2.0)
+    engines = {"dead": IdleEngine.remote("vllm_dead"), "ok": IdleEngine.remote()}
+    engines.update({f"busy-{i}": IdleEngine.remote("slow") for i in range(3)})
     ray.get([actor.pid.remote() for actor in engines.values()], timeout=60)  # started: a probe times only answers
     supervisor, driver, _, _ = _supervisor(engines)
     start = time.monotonic()
     assert asyncio.run(supervisor.probe()) == ["dead"]
-    assert time.monotonic() - start < 10  # one probe round waits at most PROBE_TIMEOUT_S, engines in parallel
+    # One round waits PROBE_TIMEOUT_S once, for all engines at once (one by one, three busy ones took 6 s).
+    assert time.monotonic() - start < 2 * recovery.PROBE_TIMEOUT_S
     assert driver.down == {"dead": "health probe: vLLM inside the actor is dead"}
+
+
+def test_two_engines_dead_at_once_are_restarted_together(local_ray):
+    """Restarts do not wait for each other: the trainer re-syncs only once no engine is down, so a second dead
+    engine must not wait for the first one to be brought to the current weights."""
+    engines = {"engine-0": IdleEngine.remote(), "engine-1": IdleEngine.remote()}
+    pids = ray.get([actor.pid.remote() for actor in engines.values()], timeout=60)
+    supervisor, driver, pool, control = _supervisor(engines)
+    # The trainer is at version 3: a restarted engine (version 0) waits to be synced, which never comes here.
+    ray.get(supervisor.buffer.set_trainer_version.remote(3), timeout=30)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+    async def scenario():
+        task = asyncio.create_task(supervisor.run())
+        deadline = time.monotonic() + 60
+        while len(pool.restarted) < 2 and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.2)
+        supervisor.stop()
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(scenario())
+    assert sorted(pool.restarted) == ["engine-0", "engine-1"]
+    roster = ray.get(control.roster.remote(), timeout=30)
+    assert roster["restarts"] == {"engine-0": 1, "engine-1": 1} and roster["down"] == {}
+    assert driver.stats.engine_restarts == 0  # neither is routed to before the trainer synced it

@@ -68,6 +68,9 @@ def test_padding_mask_from_lengths_and_from_the_loss_mask():
     assert with_lengths.padding_mask().tolist() == [[False] * 5 + [True], [False] * 3 + [True] * 3]
     with pytest.raises(ValueError, match="lengths"):
         batch.replace(lengths=torch.tensor([7, 3])).validate()
+    with pytest.raises(ValueError, match="lengths: row 0 has loss_mask beyond its length 4"):
+        batch.replace(lengths=torch.tensor([4, 3])).validate()  # row 0 predicts token 4, the fifth
+    with_lengths.validate()
 
 
 def test_stage_padding_mask_is_the_tp_ranks_sequence_slice_after_the_first_stage():
