@@ -151,9 +151,18 @@ def _groups_json(specs: list[GroupSpec]) -> str:
     return json.dumps([s.to_dict() for s in specs])
 
 
+_RAW_BUFFERS: dict[int, object] = {}
+"""The baseline's send buffer by size, kept between calls as the sync keeps its own (no first-touch faults)."""
+
+
 def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int) -> float:
-    """Benchmark baseline: broadcast `nbytes` of zeros from the first sender to every engine; wall seconds."""
+    """Benchmark baseline: broadcast `nbytes` of zeros from the first sender to every engine; wall seconds.
+
+    Both ends reuse their buffer from the previous call (the first call warms them up), as the sync does.
+    """
     import torch
+
+    from megatron_rl.parallel.groups import compute_device
 
     sender = min(b.owner for b in sync.plan)
     start = time.perf_counter()
@@ -163,7 +172,11 @@ def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int) -> float:
             e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, sync.timeout_s) for e in sync.engines
         }
     if sync.rank.ctx.rank == sender:
-        buffer = torch.zeros(chunk_bytes, dtype=torch.uint8)
+        buffer = _RAW_BUFFERS.get(chunk_bytes)
+        if buffer is None:
+            _RAW_BUFFERS.clear()
+            device = compute_device()  # the group's device: NCCL broadcasts only CUDA tensors
+            buffer = _RAW_BUFFERS[chunk_bytes] = torch.zeros(chunk_bytes, dtype=torch.uint8, device=device)
         for offset in range(0, nbytes, chunk_bytes):
             sync.group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0).wait()
     if sync.is_coordinator:

@@ -1,0 +1,48 @@
+"""The benchmarks in bench/ run from a fresh clone and print the JSON object their issues ask for (tiny models:
+these check the scripts and their arithmetic, not the speed goals, which need the full-size runs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str) -> dict:
+    """Run `bench/<script>` and return the one JSON object it prints last."""
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_weight_sync_bench_reports_sync_and_plain_broadcast():
+    result = run_bench("weight_sync.py", "--layers", "2", "--hidden", "256", "--bucket-mb", "1", "--repeats", "2")
+    assert result["bytes"] == result["model_parameters"] * 4  # fp32
+    assert result["buckets"] > 1  # 1 MiB buckets: the double buffer and the posted-ahead receives are used
+    for kind in ("sync", "plain"):
+        assert result[f"{kind}_seconds"] > 0
+        assert result[f"{kind}_gb_per_s"] == pytest.approx(result["bytes"] / result[f"{kind}_seconds"] / 1e9, rel=1e-2)
+    assert result["ratio"] == pytest.approx(result["sync_gb_per_s"] / result["plain_gb_per_s"], rel=1e-2)
+    assert result["goal_ratio"] == 0.7
+    assert result["engine_side"] and all(phase["seconds"] > 0 for phase in result["engine_side"])
+
+
+def test_convert_bench_reports_conversion_and_plain_read_write():
+    result = run_bench("convert.py", "--layers", "2", "--hidden", "256", "--experts", "4")
+    assert result["layout"].startswith("tp2") and "ep2" in result["layout"]
+    assert result["bytes"] > 0
+    for kind in ("", "plain_"):
+        assert result[f"{kind}seconds"] > 0
+        assert result[f"{kind}gb_per_s"] == pytest.approx(result["bytes"] / result[f"{kind}seconds"] / 1e9, rel=0.05)
+    assert result["ratio"] == pytest.approx(result["gb_per_s"] / result["plain_gb_per_s"], rel=0.05)
+    assert result["wall_seconds"] >= result["seconds"]
+    assert {"load_seconds", "save_seconds"} <= set(result["phases_rank0"])
