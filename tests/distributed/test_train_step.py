@@ -21,6 +21,10 @@ BATCH, SEQ, VOCAB = 8, 32, 512
 LOSS_TOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 LOGPROB_TOL = 1e-4
+PADDED_LOSS_TOL = 5e-5
+"""Loss tolerance between a batch and the same batch with extra right padding: the longer sequences change the
+matmul and attention shapes, so fp32 sums round differently (1.07e-5 seen at TP2 against a 0.29 loss). Without
+the padding mask the update itself moves (logprobs after a step by 0.09, checked at LOGPROB_TOL)."""
 
 DECOUPLED = {"loss": "decoupled_ppo", "correction": "tis", "is_cap": 2.0, "kl_coef": 0.1, "loss_agg": "token_mean"}
 PPO_SEQ = {"loss": "ppo", "loss_agg": "seq_mean", "clip_low": 0.2, "clip_high": 0.28}
@@ -155,7 +159,13 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         _case(f"resume-{name}", root, moe, LAYOUTS[name], moe_batches[1:], eval_path, load_dir=ckpt)
         for name in ("ep2", "tp2", "pp2")
     ]
-    return {1: world1, 2: world2}
+    # Later pipeline stages under sequence parallelism take the padding mask as their TP rank's sequence slice.
+    world4 = [
+        _case(
+            "moe-aux-padded-tp2pp2", root, moe, {"tp": 2, "pp": 2}, padded_batches, eval_path, moe_aux_loss_coeff=0.01
+        )
+    ]
+    return {1: world1, 2: world2, 4: world4}
 
 
 @pytest.fixture(scope="module")
@@ -223,13 +233,15 @@ def test_moe_aux_loss_is_applied_and_matches_unsharded(reports):
     _check_match(reports["moe-aux-1x1x1"], reports["moe-aux-ep2"])
 
 
-@pytest.mark.parametrize("name", ["moe-aux-padded-1x1x1", "moe-aux-padded-tp2", "moe-aux-padded-pp2"])
+@pytest.mark.parametrize(
+    "name", ["moe-aux-padded-1x1x1", "moe-aux-padded-tp2", "moe-aux-padded-pp2", "moe-aux-padded-tp2pp2"]
+)
 def test_right_padding_changes_nothing_with_the_aux_loss(reports, name):
     """RL batches are padded to their longest response: the routers must leave padding out of the
     load-balancing loss (Megatron's padding mask), or extra padding would change the update."""
     padded, plain = reports[name], reports["moe-aux-1x1x1"]
     for want, have in zip(plain["steps"], padded["steps"], strict=True):
-        assert abs(want["loss"] - have["loss"]) <= LOSS_TOL
+        assert abs(want["loss"] - have["loss"]) <= PADDED_LOSS_TOL, (want["loss"], have["loss"])
         assert abs(want["grad_norm"] - have["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (want, have)
     for i in range(len(plain["evals"])):
         assert _max_eval_diff(plain, padded, i) <= LOGPROB_TOL, (i, _max_eval_diff(plain, padded, i))
@@ -240,7 +252,7 @@ def test_right_padding_changes_nothing_in_the_expert_bias_update(reports):
     tokens must not count (the padding mask, with parallel/patches.py's fix of Megatron's mask broadcast)."""
     plain, padded = reports["ds-1x1x1"], reports["ds-padded-1x1x1"]
     for want, have in zip(plain["steps"], padded["steps"], strict=True):
-        assert abs(want["loss"] - have["loss"]) <= LOSS_TOL
+        assert abs(want["loss"] - have["loss"]) <= PADDED_LOSS_TOL, (want["loss"], have["loss"])
     for i in range(len(plain["evals"])):
         assert _max_eval_diff(plain, padded, i) <= LOGPROB_TOL, (i, _max_eval_diff(plain, padded, i))
 
