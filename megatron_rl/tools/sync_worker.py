@@ -104,7 +104,7 @@ def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
     from megatron_rl.weights.sync import push_raw
 
     sync_s, raw_s, engine_side = [], [], []
-    push_raw(sync, setup["bytes"], sync.bucket_bytes)  # warm-up: first use of the sockets
+    push_raw(sync, setup["bytes"])  # warm-up: first use of the sockets
     for version in range(1, spec["bench"]["repeats"] + 1):
         perturb_weights(rank, seed=version, scale=spec["noise"])
         dist.barrier()
@@ -112,7 +112,7 @@ def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
         sync_s.append(pushed["seconds"])
         if rank.ctx.rank == 0:
             engine_side.append([w for r in pushed["engines"].values() for w in r["workers"]])
-        raw_s.append(push_raw(sync, setup["bytes"], sync.bucket_bytes))
+        raw_s.append(push_raw(sync, setup["bytes"]))
     return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "engine_side": engine_side}
 
 

@@ -25,7 +25,6 @@ class WeightReceiver:
     def __init__(self) -> None:
         self.groups: dict[int, WeightGroup] = {}
         self._buffers: list[torch.Tensor] = []
-        self._raw_buffer: torch.Tensor | None = None
 
     def join(self, groups_json: str, member_rank: int, timeout_s: float) -> dict:
         """Join every sender's group as `member_rank` (the same rank in each group)."""
@@ -107,10 +106,7 @@ class WeightReceiver:
         """Baseline for benchmarks: receive `nbytes` from `sender` in chunks, loading nothing."""
         group = self.groups[sender]
         start = time.perf_counter()
-        if self._raw_buffer is None or self._raw_buffer.numel() < chunk_bytes:
-            # Kept between calls, like the update buffers: a warm buffer on both sides of the comparison.
-            self._raw_buffer = torch.empty(chunk_bytes, dtype=torch.uint8, device=compute_device())
-        buffer = self._raw_buffer
+        buffer = self._buffers_for(chunk_bytes)[0]  # the update's own (warm) receive buffer
         for offset in range(0, nbytes, chunk_bytes):
             wait(group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0), "raw chunk", group)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}

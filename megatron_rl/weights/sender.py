@@ -64,7 +64,7 @@ _SEND_BUFFERS: dict[tuple[int, str], bucket_io.DoubleBuffer] = {}
 touch, about as long as sending it on CPU."""
 
 
-def _send_buffers(nbytes: int, device: torch.device | str) -> bucket_io.DoubleBuffer:
+def send_buffers(nbytes: int, device: torch.device | str) -> bucket_io.DoubleBuffer:
     """This process's double buffer of at least `nbytes` on `device` (made once, then reused)."""
     key = (nbytes, str(device))
     if key not in _SEND_BUFFERS:
@@ -86,7 +86,7 @@ def send_update(
     start = time.perf_counter()
     mine = [b for b in plan if b.owner == ctx.rank]
     device = compute_device()
-    buffers = _send_buffers(max((b.nbytes for b in mine), default=0), device) if mine else None
+    buffers = send_buffers(max((b.nbytes for b in mine), default=0), device) if mine else None
     try:
         with bucket_io.leave_a_core_to_transport(device):
             sent_bytes = _send_buckets(model, family, arch, ctx, mine, group, version, buffers)

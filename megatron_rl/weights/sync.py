@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_rl.trainer.setup import TrainerRank
 from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
-from megatron_rl.weights.sender import build_plan, send_update
+from megatron_rl.weights.sender import build_plan, send_buffers, send_update
 from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, default_backend, resolve_host
 
 
@@ -151,20 +151,16 @@ def _groups_json(specs: list[GroupSpec]) -> str:
     return json.dumps([s.to_dict() for s in specs])
 
 
-_RAW_BUFFERS: dict[int, object] = {}
-"""The baseline's send buffer by size, kept between calls as the sync keeps its own (no first-touch faults)."""
+def push_raw(sync: TrainerWeightSync, nbytes: int) -> float:
+    """Benchmark baseline: broadcast `nbytes` from the first sender to every engine; wall seconds.
 
-
-def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int) -> float:
-    """Benchmark baseline: broadcast `nbytes` of zeros from the first sender to every engine; wall seconds.
-
-    Both ends reuse their buffer from the previous call (the first call warms them up), as the sync does.
+    It goes in chunks of that sender's largest bucket, from the sender's own send buffer into the engines' own
+    receive buffers, so both ends use the warm memory the sync uses (fresh memory costs a page fault per 4 KiB).
     """
-    import torch
-
     from megatron_rl.parallel.groups import compute_device
 
     sender = min(b.owner for b in sync.plan)
+    chunk_bytes = max(b.nbytes for b in sync.plan if b.owner == sender)
     start = time.perf_counter()
     futures = {}
     if sync.is_coordinator:
@@ -172,11 +168,7 @@ def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int) -> float:
             e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, sync.timeout_s) for e in sync.engines
         }
     if sync.rank.ctx.rank == sender:
-        buffer = _RAW_BUFFERS.get(chunk_bytes)
-        if buffer is None:
-            _RAW_BUFFERS.clear()
-            device = compute_device()  # the group's device: NCCL broadcasts only CUDA tensors
-            buffer = _RAW_BUFFERS[chunk_bytes] = torch.zeros(chunk_bytes, dtype=torch.uint8, device=device)
+        buffer = send_buffers(chunk_bytes, compute_device()).buffers[0]
         for offset in range(0, nbytes, chunk_bytes):
             sync.group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0).wait()
     if sync.is_coordinator:
