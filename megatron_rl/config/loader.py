@@ -65,10 +65,12 @@ def _describe_error(err: dict) -> str:
         hint = f"; did you mean '{'.'.join(str(p) for p in loc[:-1] + (close[0],))}'?" if close else ""
         return f"{where}: unknown field{hint} (known: {', '.join(known)})"
     got = err.get("input")
-    message = err["msg"]
+    message = err["msg"].removeprefix("Value error, ")
     ctx = err.get("ctx") or {}
     if "expected" in ctx:
         message = f"must be one of {ctx['expected']}"
+    if not loc:  # a check across fields: its message names them, and the input is the whole config
+        return message
     return f"{where}: {message} (got {got!r})"
 
 
@@ -93,6 +95,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: config file not found") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: cannot read the config file ({err})") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}

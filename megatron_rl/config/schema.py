@@ -5,15 +5,31 @@ Every field carries a docstring; `megatron-rl config --explain` prints them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+def _is_number_type(annotation: Any) -> bool:
+    """Whether a field annotation is int or float (also inside `X | None`), but not bool."""
+    if annotation in (int, float):
+        return True
+    return any(arg in (int, float) for arg in get_args(annotation))
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML reads yes/no/true/false as booleans and pydantic would take them as 1/0 without a word.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _is_number_type(field.annotation):
+            raise ValueError("must be a number, not true/false")
+        return value
 
 
 class ModelConfig(Section):
@@ -23,6 +39,9 @@ class ModelConfig(Section):
     """Folder of a Hugging Face checkpoint (config.json + safetensors); its family is recognised from config.json."""
     family: Literal["qwen3_moe", "mixtral", "deepseek_v3", "qwen3"] | None = None
     """Force a model family instead of recognising it from config.json."""
+    make_tiny: bool = False
+    """When hf_path holds no config.json, make a small random checkpoint of `family` there (`megatron-rl
+    make-tiny`) instead of failing: for the quickstart, tests and demos, never for a real model."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Parameter dtype of trainer and engines (float32 for exact CPU parity tests)."""
     max_sequence_length: int = Field(4096, ge=16)
@@ -30,6 +49,12 @@ class ModelConfig(Section):
     hf_config: str = ""
     """config.json used for planning (`megatron-rl plan`) when hf_path is not downloaded yet (for example one of
     configs/models/); empty: hf_path/config.json."""
+
+    @model_validator(mode="after")
+    def _tiny_needs_family(self) -> ModelConfig:
+        if self.make_tiny and not self.family:
+            raise ValueError("model.make_tiny=true needs model.family (which family of tiny model to make)")
+        return self
 
 
 class ParallelConfig(Section):

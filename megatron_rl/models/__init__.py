@@ -56,8 +56,11 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     """Read `config.json` of a HF checkpoint folder with an error that names the file."""
     path = Path(hf_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no config.json in the checkpoint folder") from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{path}: unreadable config.json ({err})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(config).__name__}")
+    return config

@@ -96,9 +96,27 @@ class ModelFamily(ABC):
     hf_architectures: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
 
+    def arch_from_hf(self, hf_config: dict, source: str = "config.json") -> ModelArch:
+        """Read the model's shape from a Hugging Face `config.json` dictionary and check that it is sane.
+
+        Every problem ends as one CheckpointError that names `source` (the file), the key and its value.
+        """
+        if not isinstance(hf_config, dict):
+            raise CheckpointError(f"{source}: must hold a JSON object, got {type(hf_config).__name__}")
+        try:
+            arch = self._read_arch(hf_config)
+        except CheckpointError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError) as err:
+            raise CheckpointError(f"{source}: not a valid {self.name} config ({type(err).__name__}: {err})") from None
+        problems = arch_problems(arch, hf_config)
+        if problems:
+            raise CheckpointError(f"{source}: " + "; ".join(problems))
+        return arch
+
     @abstractmethod
-    def arch_from_hf(self, hf_config: dict) -> ModelArch:
-        """Read the model's shape from a Hugging Face `config.json` dictionary."""
+    def _read_arch(self, hf_config: dict) -> ModelArch:
+        """Read the model's shape from a Hugging Face `config.json` dictionary (checked by `arch_from_hf`)."""
 
     @abstractmethod
     def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:
@@ -143,6 +161,40 @@ def rope_theta(hf_config: dict, default: float = 10000.0) -> float:
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
     return float(hf_config.get("rope_theta", default))
+
+
+_HF_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "vocab_size": "vocab_size",
+}
+"""ModelArch fields that must be positive, with the config.json key each comes from."""
+
+
+def arch_problems(arch: ModelArch, hf_config: dict) -> list[str]:
+    """What makes a model shape unusable (empty when it is fine), each naming the config.json key and value."""
+    problems = [
+        f"{key}={getattr(arch, field)} must be at least 1"
+        for field, key in _HF_KEYS.items()
+        if getattr(arch, field) < 1
+    ]
+    if arch.num_heads >= 1 and arch.num_kv_heads >= 1 and arch.num_heads % arch.num_kv_heads:
+        problems.append(
+            f"num_attention_heads={arch.num_heads} is not a multiple of num_key_value_heads={arch.num_kv_heads}"
+        )
+    if arch.num_experts < 0:
+        problems.append(f"number of experts {arch.num_experts} must not be negative")
+    if arch.moe_layers and arch.moe_ffn_hidden_size < 1:
+        problems.append(f"moe_intermediate_size={arch.moe_ffn_hidden_size} must be at least 1")
+    top_k = hf_config.get("num_experts_per_tok")
+    if arch.num_experts > 0 and top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= arch.num_experts):
+        problems.append(
+            f"num_experts_per_tok={top_k!r} must be between 1 and the number of experts ({arch.num_experts})"
+        )
+    return problems
 
 
 def require(hf_config: dict, key: str | tuple[str, ...], where: str) -> Any:

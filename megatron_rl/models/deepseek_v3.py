@@ -45,7 +45,7 @@ class DeepseekV3Family(ModelFamily):
             return dataclasses.replace(rule, tp_dim=None)
         return rule
 
-    def arch_from_hf(self, hf_config: dict) -> ModelArch:
+    def _read_arch(self, hf_config: dict) -> ModelArch:
         """Read MLA ranks, dense/MoE layer split and expert counts."""
         where = f"{self.name} config"
         num_layers = int(require(hf_config, "num_hidden_layers", where))

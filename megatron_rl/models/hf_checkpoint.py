@@ -242,14 +242,39 @@ def check_tensor_names(ckpt: HFCheckpoint, expected: Iterable[str], ignore_suffi
         raise CheckpointError(f"{ckpt.folder}: " + "; ".join(parts))
 
 
+def check_output_folder(out: str | Path, overwrite: bool = False, protect: Iterable[str | Path] = ()) -> Path:
+    """The resolved output folder, after refusing what would lose data: a file in its place, a non-empty folder
+    without `overwrite`, or replacing a folder that holds the current directory or one of `protect` (a source)."""
+    out = Path(out).resolve()
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: output path exists and is not a folder")
+    if out.exists():
+        if any(out.iterdir()) and not overwrite:
+            raise CheckpointError(f"{out}: output folder exists and is not empty (--overwrite replaces it)")
+        for kept, what in [(Path.cwd(), "the current directory"), *((Path(p), f"the source {p}") for p in protect)]:
+            kept = kept.resolve()
+            if kept == out or out in kept.parents:
+                raise CheckpointError(f"{out}: refusing to replace the output folder, it holds {what}")
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
-def staging_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """A temporary sibling of `out` that becomes `out` only if the block finishes without error."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise CheckpointError(f"{out}: output folder exists and is not empty")
+def staging_folder(out: str | Path, overwrite: bool = False, protect: Iterable[str | Path] = ()) -> Iterator[Path]:
+    """A temporary sibling of `out` that becomes `out` only if the block finishes without error.
+
+    See `check_output_folder` for what is refused. The folder gets the permissions of one made by `mkdir`
+    (mkdtemp's are 0700, which would hide a checkpoint from the other users and Ray workers of a cluster).
+    """
+    out = check_output_folder(out, overwrite, protect)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
     except BaseException:

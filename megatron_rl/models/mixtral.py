@@ -13,7 +13,7 @@ class MixtralFamily(ModelFamily):
     hf_architectures = ("MixtralForCausalLM",)
     hf_model_types = ("mixtral",)
 
-    def arch_from_hf(self, hf_config: dict) -> ModelArch:
+    def _read_arch(self, hf_config: dict) -> ModelArch:
         """Read layers, heads and experts; `intermediate_size` is each expert's width."""
         where = f"{self.name} config"
         dims = common.gqa_dims(hf_config, where)

@@ -13,7 +13,7 @@ class Qwen3Family(ModelFamily):
     hf_architectures = ("Qwen3ForCausalLM",)
     hf_model_types = ("qwen3",)
 
-    def arch_from_hf(self, hf_config: dict) -> ModelArch:
+    def _read_arch(self, hf_config: dict) -> ModelArch:
         """Read layers, heads and MLP width."""
         where = f"{self.name} config"
         return ModelArch(

@@ -13,7 +13,7 @@ class Qwen3MoeFamily(ModelFamily):
     hf_architectures = ("Qwen3MoeForCausalLM",)
     hf_model_types = ("qwen3_moe",)
 
-    def arch_from_hf(self, hf_config: dict) -> ModelArch:
+    def _read_arch(self, hf_config: dict) -> ModelArch:
         """Read layers, heads, experts and the MoE layer pattern."""
         where = f"{self.name} config"
         dims = common.gqa_dims(hf_config, where)

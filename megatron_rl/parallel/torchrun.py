@@ -120,11 +120,16 @@ def first_failed_rank(text: str) -> str:
     return f"rank {match['rank']} exited {match['code']}{why}"
 
 
+_INPUT_ERRORS = ("CheckpointError", "ConfigError", "LayoutError", "PlanError", "TaskError")
+"""Errors about the user's input: their own message says everything, so no traceback tail follows them."""
+
+
 def _tail(text: str, lines: int = 30) -> str:
     body = "\n".join(ln for ln in text.strip().splitlines() if not ln.lstrip().startswith(("Warning", "warnings.warn")))
     cause = root_cause(text)
     first = first_failed_rank(text)
-    tail = "\n".join(body.splitlines()[-lines:])
+    bad_input = any(f"{name}:" in cause for name in _INPUT_ERRORS)
+    tail = "" if bad_input else "\n".join(body.splitlines()[-lines:])
     head = "".join(f"{label}: {value}\n" for label, value in (("first failure", first), ("root cause", cause)) if value)
     return head + tail
 

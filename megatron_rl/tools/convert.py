@@ -42,11 +42,11 @@ def hf_to_mcore(
     """Convert a HF checkpoint folder to a Megatron distributed checkpoint, loading it at `layout`."""
     hf_config = read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
-    arch = family.arch_from_hf(hf_config)
+    arch = family.arch_from_hf(hf_config, f"{hf_dir}/config.json")
     check_layout_fits_model(layout, arch)
     ckpt = HFCheckpoint(hf_dir)
     check_checkpoint_names(ckpt, family.rule_table(arch))
-    with staging_folder(out, overwrite=overwrite) as tmp:
+    with staging_folder(out, overwrite=overwrite, protect=[hf_dir]) as tmp:
         spec = {"direction": "hf-to-mcore", "hf": str(hf_dir), "out": str(tmp), "layout": layout.__dict__}
         timing = _launch(spec, layout.world_size, timeout_s)
     return {"family": family.name, "layout": layout.describe(), "bytes": ckpt.total_bytes(), **timing, "out": str(out)}
@@ -60,8 +60,8 @@ def mcore_to_hf(
     hf_config = read_hf_config_of(mcore_dir)
     family = family_for_hf_config(hf_config, where=f"{mcore_dir}/hf/config.json")
     layout = layout or ParallelLayout()
-    check_layout_fits_model(layout, family.arch_from_hf(hf_config))
-    with staging_folder(out, overwrite=overwrite) as tmp:
+    check_layout_fits_model(layout, family.arch_from_hf(hf_config, f"{mcore_dir}/hf/config.json"))
+    with staging_folder(out, overwrite=overwrite, protect=[mcore_dir]) as tmp:
         spec = {"direction": "mcore-to-hf", "mcore": str(mcore_dir), "out": str(tmp), "layout": layout.__dict__}
         timing = _launch(spec, layout.world_size, timeout_s)
         nbytes = json.loads((tmp / "model.safetensors.index.json").read_text())["metadata"]["total_size"]

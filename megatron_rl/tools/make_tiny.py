@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megatron_rl.models import get_family
-from megatron_rl.models.hf_checkpoint import staging_folder
+from megatron_rl.models.hf_checkpoint import check_output_folder, staging_folder
 
 TINY_VOCAB = 512
 _CORPUS_TEXT = (
@@ -108,6 +108,7 @@ def make_tiny(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family = get_family(family_name)
+    check_output_folder(out, overwrite)  # before building the model, not after
     cfg = family.tiny_hf_config(TINY_VOCAB)
     cfg.update(initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg.update(overrides or {})

@@ -80,7 +80,7 @@ def run_parity_many(cases: list[ParityCase], batch: int = 4, seq: int = 160, tim
     for hf_dir, layout, _ in cases:
         hf_config = read_hf_config(hf_dir)
         family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
-        arch = family.arch_from_hf(hf_config)
+        arch = family.arch_from_hf(hf_config, f"{hf_dir}/config.json")
         check_layout_fits_model(layout, arch)
         toks = parity_tokens(arch.vocab_size, batch, seq)
         if str(hf_dir) not in references:

@@ -45,7 +45,7 @@ def run_sync_check(
 
     hf_config = read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
-    check_layout_fits_model(layout, family.arch_from_hf(hf_config))
+    check_layout_fits_model(layout, family.arch_from_hf(hf_config, f"{hf_dir}/config.json"))
     ray_info = start_local_ray()
     tps = engine_tp if isinstance(engine_tp, list) else [engine_tp] * engines
     if len(tps) != engines:

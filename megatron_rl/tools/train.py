@@ -29,13 +29,14 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
 
 
 def ensure_model(cfg: RunConfig) -> str:
-    """The HF checkpoint folder; a missing one with a family set is made with `make-tiny` (the quickstart)."""
+    """The HF checkpoint folder; a missing one is made with `make-tiny` only when `model.make_tiny` asks for it."""
     path = Path(cfg.model.hf_path)
     if (path / "config.json").exists():
         return str(path)
-    if not cfg.model.family:
+    if not cfg.model.make_tiny:
         raise FileNotFoundError(
-            f"model.hf_path={cfg.model.hf_path!r}: no config.json there (set model.family to make a tiny one)"
+            f"model.hf_path={cfg.model.hf_path!r}: no config.json there (download the checkpoint there, or set"
+            " model.make_tiny=true and model.family for a small random model)"
         )
     from megatron_rl.tools.make_tiny import make_tiny
 

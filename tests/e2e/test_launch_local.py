@@ -50,9 +50,14 @@ def test_torchrun_sh_runs_two_steps(tmp_path):
 
 
 def test_torchrun_sh_fails_clearly_when_the_launcher_fails(tmp_path):
-    # No checkpoint there and no family to make one: the launcher stops before writing the trainer spec.
+    # No checkpoint there and none to be made: the launcher stops before writing the trainer spec.
     result = launch(
-        ["configs/quickstart.yaml", f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/none", "model.family=null"],
+        [
+            "configs/quickstart.yaml",
+            f"output_dir={tmp_path}",
+            f"model.hf_path={tmp_path}/none",
+            "model.make_tiny=false",
+        ],
         timeout=300,
     )
     assert result.returncode != 0

@@ -41,6 +41,10 @@ def test_dotted_overrides_apply_with_yaml_types():
         ("model.dtype=fp8", "model.dtype: must be one of 'float32' or 'bfloat16' \\(got 'fp8'\\)"),
         ("mode=fast", "mode: must be one of 'sync', 'one_step_off' or 'async'"),
         ("steps=many", "steps: .*integer.*\\(got 'many'\\)"),
+        ("steps=yes", "steps: must be a number, not true/false \\(got True\\)"),
+        ("trainer.parallel.tp=true", "trainer.parallel.tp: must be a number, not true/false"),
+        ("algorithm.is_cap=false", "algorithm.is_cap: must be a number, not true/false"),
+        ("model.make_tiny=true", "model.make_tiny=true needs model.family"),
     ],
 )
 def test_errors_name_field_value_and_allowed(override, message):
@@ -66,11 +70,27 @@ def test_file_errors(tmp_path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(listy)
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_config(tmp_path)  # a folder
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"steps: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="binary.yaml: cannot read the config file"):
+        load_config(binary)
 
 
 def test_cross_field_validation():
-    with pytest.raises(ConfigError, match="buffer.capacity=4 must be at least prompts_per_step=8"):
+    with pytest.raises(ConfigError, match="buffer.capacity=4 must be at least prompts_per_step=8") as err:
         load_config(None, ["buffer.capacity=4", "prompts_per_step=8"])
+    assert "(top level)" not in str(err.value) and "got {" not in str(err.value)  # not the whole config dumped
+
+
+def test_a_missing_checkpoint_is_an_error_unless_a_tiny_one_is_asked_for(tmp_path):
+    from megatron_rl.tools.train import ensure_model
+
+    real = load_config("configs/qwen3_30b_a3b.yaml", [f"model.hf_path={tmp_path}/Qwen3-30B-A3B"])
+    with pytest.raises(FileNotFoundError, match="no config.json there"):
+        ensure_model(real)
+    assert not (tmp_path / "Qwen3-30B-A3B").exists()  # no random stand-in made
 
 
 def test_every_field_is_documented():

@@ -51,6 +51,34 @@ def test_missing_config_key_is_named():
         get_family("mixtral").arch_from_hf(cfg)
 
 
+@pytest.mark.parametrize(
+    ("family", "change", "message"),
+    [
+        ("qwen3_moe", {"hidden_size": "abc"}, r"/ckpt/config.json: not a valid qwen3_moe config \(ValueError"),
+        ("qwen3", {"num_attention_heads": 0, "head_dim": None}, "/ckpt/config.json: not a valid qwen3 config"),
+        ("qwen3_moe", {"mlp_only_layers": 5}, "TypeError"),
+        ("qwen3", {"num_hidden_layers": -2}, "num_hidden_layers=-2 must be at least 1"),
+        ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+        ("qwen3_moe", {"num_experts_per_tok": 100}, r"num_experts_per_tok=100 must be between 1 and .* \(8\)"),
+        ("mixtral", {"num_experts_per_tok": 0}, "num_experts_per_tok=0 must be between 1"),
+    ],
+)
+def test_bad_config_values_are_one_error_naming_the_file_and_key(family, change, message):
+    fam = get_family(family)
+    cfg = fam.tiny_hf_config(512)
+    cfg.update(change)
+    with pytest.raises(CheckpointError, match=message):
+        fam.arch_from_hf(cfg, "/ckpt/config.json")
+
+
+def test_a_config_that_is_not_an_object_is_named(tmp_path):
+    from megatron_rl.models import read_hf_config
+
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="config.json: must hold a JSON object, got list"):
+        read_hf_config(tmp_path)
+
+
 def _reference_qkv(q, k, v, heads, groups, dim):
     # Written independently of fuse_qkv: walk group by group and append rows.
     per = heads // groups

@@ -42,3 +42,21 @@ def test_a_killed_rank_is_named_not_the_rank_that_lost_its_peer(tmp_path):
 
 def test_a_log_without_torchrun_summary_has_no_first_failure():
     assert first_failed_rank("ValueError: bad config\n") == ""
+
+
+def test_a_bad_input_error_is_its_own_message_without_a_traceback_tail(tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_text(
+        'Traceback (most recent call last):\n  File "worker.py", line 3, in <module>\n'
+        "[rank0]: megatron_rl.models.base.CheckpointError: /ckpt: model.layers.0.o_proj has shape (128, 64)\n"
+        + KILLED_RANK_LOG
+    )
+    message = str(log_failure(log, "megatron_rl.tools.convert_worker", 1))
+    assert "root cause: [rank0]: megatron_rl.models.base.CheckpointError: /ckpt: model.layers.0.o_proj" in message
+    assert "Traceback" not in message and "ChildFailedError" not in message
+
+
+def test_an_internal_error_keeps_the_traceback_tail(tmp_path):
+    log = tmp_path / "trainer.log"
+    log.write_text(KILLED_RANK_LOG)
+    assert "ChildFailedError" in str(log_failure(log, "megatron_rl.orchestrator", 1))
