@@ -21,6 +21,7 @@ import math
 import numbers
 import random
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,7 @@ class Task(abc.ABC):
         self.reward_name = reward_name or (getattr(reward_fn, "__qualname__", "") if reward_fn else self.name)
         self.reward_failures = 0
         self.reward_failure_log: collections.deque[dict] = collections.deque(maxlen=FAILURE_LOG_SIZE)
+        self._failure_lock = threading.Lock()  # rewards are scored on several driver threads
 
     @abc.abstractmethod
     def prompts(self, epoch: int = 0, start: int = 0) -> Iterator[dict]:
@@ -220,10 +222,20 @@ class Task(abc.ABC):
     def _record_failure(self, error: str, sample: Any) -> None:
         index = getattr(sample, "prompt_index", None)
         message = f"reward {self.reward_name!r} {error}"
-        self.reward_failures += 1
-        self.reward_failure_log.append({"prompt_index": index, "error": message})
+        with self._failure_lock:
+            self.reward_failures += 1
+            self.reward_failure_log.append({"prompt_index": index, "error": message})
         if sample is not None and hasattr(sample, "metadata"):
             sample.metadata["reward_error"] = message
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_failure_lock", None)  # a lock does not pickle (tasks may travel to Ray workers)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._failure_lock = threading.Lock()
 
     def report(self) -> dict:
         """Counts for logs: reward failures and their most recent entries."""

@@ -132,8 +132,8 @@ class TrainerWeightSync:
         send_error = None
         try:
             sent = send_update(r.model, r.family, r.arch, r.ctx, self.plan, self.group, version)
-        except TransportError as err:
-            send_error = err
+        except Exception as err:  # a transfer, packing or gathering failure: the engines' answers come first
+            send_error = err if isinstance(err, TransportError) else f"{type(err).__name__}: {err}"
             sent = {}
         report = {"version": version, "sent": sent}
         if self.is_coordinator:

@@ -285,3 +285,14 @@ def test_make_task_loads_the_tokenizer_of_a_checkpoint_folder(tmp_path):
     task = make_task(TaskConfig(name="count"), str(tmp_path))
     record = next(task.prompts())
     assert task.tokenizer.decode(record["prompt_ids"]) == record["prompt"]
+
+
+def test_reward_failures_are_counted_exactly_from_many_threads_and_the_task_still_pickles(tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    task = make_task(TaskConfig(name="count", reward="tests.unit.test_tasks:raising_reward"), tokenizer)
+    task = pickle.loads(pickle.dumps(task))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: task.score("x", "y"), range(4000)))
+    assert task.reward_failures == 4000
+    assert len(pickle.loads(pickle.dumps(task)).reward_failure_log) == 100
