@@ -65,11 +65,21 @@ class WeightUpdateExtension:
         return self.mrl_weight_loader().load((name, torch.tensor(data)) for name, data in named)
 
     def mrl_init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> dict:
-        """Join every trainer sender's weight group as member `rank_offset + this worker's rank`."""
+        """Join every trainer sender's weight group as member `rank_offset + this worker's index in the engine`."""
         receiver = getattr(self, "_mrl_receiver", None) or WeightReceiver()
         self._mrl_receiver = receiver
         self.mrl_weight_loader().prepare()  # memory for the updates, before the first one
-        return receiver.join(groups_json, rank_offset + int(getattr(self, "rank", 0)), timeout_s)
+        return receiver.join(groups_json, rank_offset + self.mrl_worker_index(), timeout_s)
+
+    def mrl_worker_index(self) -> int:
+        """This worker's index among all workers of its engine: data-parallel replica, then rank within it.
+
+        vLLM's `self.rank` counts within one data-parallel replica only (vLLM 0.32 multiproc executor), so with
+        `data_parallel_size > 1` replicas would otherwise claim the same group ranks.
+        """
+        parallel = getattr(getattr(self, "vllm_config", None), "parallel_config", None)
+        replica, per_replica = (parallel.data_parallel_rank, parallel.world_size) if parallel else (0, 1)
+        return replica * per_replica + int(getattr(self, "rank", 0))
 
     def mrl_receive_update(self, version: int, plan_json: str) -> dict:
         """Receive update `version` (every bucket of the plan) over the weight groups and load it in place."""
