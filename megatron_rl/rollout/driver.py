@@ -4,21 +4,27 @@ It runs as asyncio tasks in the launching process. Each engine gets `max_concurr
 claims a prompt, generates `samples_per_prompt` responses on its engine, scores them in a thread pool and puts
 the group into the buffer. A gate bounds how far generation runs ahead of the trainer: the groups for step s
 are only claimed once the trainer's weights are at version >= s - lag (lag 0: sync, 1: one step off, async:
-max_staleness).
+max_staleness). It counts the prompts the buffer still accounts for (consumed, buffered, in flight), so a dropped
+or requeued prompt frees its place for another and the trainer's batch still fills.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from megatron_rl.rollout.control import CALL_TIMEOUT_S
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.types import Group, Sample
 
 MODE_LAG = {"sync": 0, "one_step_off": 1}
 SEED_STRIDE = 1 << 12  # samples per prompt that get distinct seeds; far above any group size in use
+GATE_POLL_S = 0.05  # how often a worker held at the gate asks the buffer again
+
+log = logging.getLogger(__name__)
 
 
 def request_seed(base_seed: int, prompt_index: int, sample: int) -> int:
@@ -95,31 +101,48 @@ class GenerationDriver:
     async def run(self) -> DriverStats:
         """Run until stopped (or the prompts run out); returns the counters."""
         workers = [self._worker(name) for name in self.engines for _ in range(self.cfg.rollout.max_concurrent_prompts)]
-        await asyncio.gather(self._watch_version(), *workers)
-        self._pool.shutdown(wait=False)
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            self._pool.shutdown(wait=False)
         return self.stats
 
-    async def _watch_version(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.trainer_version = (await self.buffer.stats.remote())["trainer_version"]
-            except KeyError:  # older buffer without the field: fall back to the version counter
-                pass
-            await asyncio.sleep(0.05)
+    async def _call_buffer(self, method: str, *args):
+        """`buffer.method(*args)`; GenerationError naming the call when the buffer does not answer in time."""
+        try:
+            return await asyncio.wait_for(getattr(self.buffer, method).remote(*args), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise GenerationError(
+                f"buffer.{method} did not answer within {CALL_TIMEOUT_S:g} s; is the buffer actor alive?"
+            ) from None
+
+    async def _gate_open(self) -> bool:
+        """Whether one more prompt may be claimed: the prompts the buffer accounts for (consumed, buffered and in
+        flight, all counted in prompts = groups) stay within the steps up to trainer version + lag.
+
+        Dropped prompts, and requeued ones waiting to be claimed again, do not count: each frees its place. With
+        lag 0 a step's prompts are claimed only at the version that trains on them (exactly on-policy), and the
+        counts come from the buffer's checkpoint, so a resumed run opens the gate where the uninterrupted one did.
+        """
+        stats = await self._call_buffer("stats")
+        self.trainer_version = stats["trainer_version"]
+        live = stats["consumed"] + stats["buffered"] + stats["in_flight"]
+        return live < (self.trainer_version + self.lag + 1) * self.cfg.prompts_per_step
 
     async def _claim(self) -> tuple[int, dict] | None:
-        """Claim one prompt when the gate allows it (the step it serves is close enough to the trainer)."""
+        """Claim one prompt when the gate allows it (the step it serves is close enough to the trainer).
+
+        Claims are serialized, so the counts the gate reads include every earlier claim of this driver."""
         async with self._claim_lock:
             start = time.perf_counter()
             while not self._stop.is_set():
-                step = self.stats.claimed // self.cfg.prompts_per_step
-                if step <= self.trainer_version + self.lag:
-                    claimed = await self.buffer.claim_prompts.remote(1, 0.2)
+                if await self._gate_open():
+                    claimed = await self._call_buffer("claim_prompts", 1, 0.2)
                     if claimed:
                         self.stats.claimed += 1
                         self.stats.gate_wait_s += time.perf_counter() - start
                         return claimed[0]
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(GATE_POLL_S)
             return None
 
     async def _worker(self, engine: str) -> None:
@@ -135,15 +158,18 @@ class GenerationDriver:
                 results = await self._generate(engine, index, record)
             except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
                 self.stats.engine_failures += 1
-                self.stats.requeued += 1
+                why = error_line(err)
                 if is_actor_death(err):
-                    self.mark_down(engine, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-                await self.buffer.requeue.remote(index, f"{engine}: {type(err).__name__}")
+                    self.mark_down(engine, why)
+                requeued = await self._call_buffer("requeue", index, f"{engine}: {why}")
+                self.stats.requeued += int(requeued)
+                outcome = "requeued" if requeued else "dropped by the buffer (requeue limit)"
+                log.warning("engine %s failed on prompt %d (%s); %s", engine, index, why, outcome)
                 self.failure = err
                 await asyncio.sleep(0.5)
                 continue
             group = await self._score(index, record, results)
-            accepted = await self.buffer.put_group.remote(group)  # first: a dropped group is accounted for
+            accepted = await self._call_buffer("put_group", group)  # first: a dropped group is accounted for
             self.stats.groups += int(accepted)
             self.stats.dropped_by_buffer += int(not accepted)
             self._check_rewards(group)
@@ -191,6 +217,13 @@ class GenerationDriver:
             sample.metadata["sample"] = i
             samples.append(sample)
         return Group(index, samples)
+
+
+def error_line(err: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message` (at most `limit` characters of it): enough to say why, fit for a log."""
+    lines = str(err).strip().splitlines()
+    first = lines[0][:limit] if lines else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def is_actor_death(err: BaseException) -> bool:

@@ -8,12 +8,15 @@ use the same code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
 import uuid
 
 WORKER_EXTENSION = "megatron_rl.weights.vllm_worker_ext.WeightUpdateExtension"
+RESUME_WAIT_MARGIN_S = 60.0
+"""How much longer than the weight update's own timeout a paused request waits for the resume before it fails."""
 
 
 class EngineError(RuntimeError):
@@ -107,6 +110,7 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._resume_wait_s = 300.0 + RESUME_WAIT_MARGIN_S  # set from each update's timeout
         self._aborted_for_update: set[str] = set()
         self._running: set[str] = set()
         self.stats = {"generated_tokens": 0, "requests": 0, "continuations": 0, "busy_seconds": 0.0}
@@ -188,13 +192,31 @@ class VLLMEngine:
             self.stats["busy_seconds"] += now - self._busy_since
             self._busy_since = None
 
-    async def generate(self, req: GenerationRequest) -> GenerationResult:
-        """Generate one response; a request aborted by a weight update is continued from its prefix."""
-        llm = self._require()
+    def _check_consistent(self) -> None:
         if not self.consistent:
             raise EngineError(
                 f"engine {self.spec.name}: weights are inconsistent ({self.inconsistency}); refusing to generate"
             )
+
+    async def _wait_resumed(self) -> None:
+        """Wait while a weight update has generation paused; EngineError naming the engine when the update failed
+        (the weights it left are inconsistent) or generation stays paused past the update's timeout."""
+        if not self._resumed.is_set():
+            try:
+                await asyncio.wait_for(self._resumed.wait(), self._resume_wait_s)
+            except asyncio.TimeoutError:
+                raise EngineError(
+                    f"engine {self.spec.name}: generation still paused after {self._resume_wait_s:g} s "
+                    "(a weight update that never resumed it)"
+                ) from None
+        self._check_consistent()
+
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        """Generate one response; a request aborted by a weight update is continued from its prefix.
+
+        EngineError when the weights are inconsistent: before it starts, or when an update fails under it."""
+        llm = self._require()
+        self._check_consistent()
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -203,7 +225,7 @@ class VLLMEngine:
         self._mark_busy(+1)
         try:
             while len(tokens) < req.max_tokens:
-                await self._resumed.wait()
+                await self._wait_resumed()
                 sub_id = f"{req.request_id}-{continuations}"
                 prompt = {"prompt_token_ids": list(req.prompt_ids) + tokens}
                 params = self._sampling_params(req, req.max_tokens - len(tokens), continuations)
@@ -219,6 +241,7 @@ class VLLMEngine:
                         finish = completion.finish_reason
                 finally:
                     self._running.discard(sub_id)
+                self._check_consistent()  # a request frozen ('keep') under a failed update ran on broken weights
                 if sub_id in self._aborted_for_update and finish in (None, "abort"):
                     self._aborted_for_update.discard(sub_id)
                     continuations += 1
@@ -271,9 +294,11 @@ class VLLMEngine:
         await llm.pause_generation(mode=mode, clear_cache=mode != "keep")
 
     async def resume(self) -> None:
-        """Resume scheduling after `pause`."""
-        await self._require().resume_generation()
-        self._resumed.set()
+        """Resume scheduling after `pause`; waiting requests go on even when vLLM fails to resume (and raises)."""
+        try:
+            await self._require().resume_generation()
+        finally:
+            self._resumed.set()
 
     async def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list:
         """Call a method of the weight-update worker extension on every worker of this engine."""
@@ -291,16 +316,19 @@ class VLLMEngine:
         """Receive one whole update from the trainer's senders and load it in place, then report.
 
         The version advances only when every worker loaded every bucket; otherwise the engine is marked
-        inconsistent (it refuses to generate) and the error names it.
+        inconsistent (it refuses to generate) and the error names it. Generation resumes either way, so the
+        requests waiting for it fail with that error instead of waiting for ever.
         """
         async with self._update_lock:
             start = time.perf_counter()
-            await self.pause(inflight)
+            self._resume_wait_s = timeout_s + RESUME_WAIT_MARGIN_S
             try:
+                await self.pause(inflight)
                 results = await self.collective_rpc("mrl_receive_update", args=(version, plan_json), timeout=timeout_s)
             except BaseException as err:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
+                await self._resume_after_failed_update()
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
             self.version = version
             self.consistent = True
@@ -312,6 +340,12 @@ class VLLMEngine:
                 "seconds": time.perf_counter() - start,
                 "workers": results,
             }
+
+    async def _resume_after_failed_update(self) -> None:
+        """Release the paused requests (they see the inconsistency and fail); the update's own error is what gets
+        reported, not a failure to resume vLLM."""
+        with contextlib.suppress(Exception):  # vLLM is failing anyway; `resume` released the waiting requests
+            await self.resume()
 
     async def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int, timeout_s: float = 300.0) -> list:
         """Benchmark baseline: every worker receives `nbytes` from a sender's group and discards them."""

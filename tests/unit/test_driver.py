@@ -1,11 +1,21 @@
-"""The generation driver's pure parts: the reward-failure guard and the engine down/back bookkeeping."""
+"""The generation driver: the reward-failure guard, the engine down/back bookkeeping, and the driver running
+against the real buffer (in this process, no Ray) with stand-in engines: the staleness gate, requeues, timeouts."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import types
 
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.rollout.driver import GenerationDriver, RewardError
+from megatron_rl.rollout import driver as driver_module
+from megatron_rl.rollout.buffer import RolloutBuffer
+from megatron_rl.rollout.driver import GenerationDriver, GenerationError, RewardError, error_line
+from megatron_rl.rollout.engine import GenerationRequest, GenerationResult
+from megatron_rl.rollout.tasks import PromptStream, Task
 from megatron_rl.rollout.types import Group, Sample
 
 
@@ -45,3 +55,147 @@ def test_a_dead_engine_gets_no_prompts_until_it_is_brought_back():
     driver.bring_back("engine-0", replacement)
     assert driver.down == {} and driver.engines["engine-0"] is replacement
     assert driver.stats.engine_restarts == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The driver running against the real buffer (in this process) and a stand-in engine.
+
+
+class LocalActor:
+    """A plain object behind Ray's call syntax: `actor.method.remote(*args)` runs the method in a thread and is
+    awaited like an ObjectRef."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name: str):
+        method = getattr(self._obj, name)
+        return types.SimpleNamespace(remote=lambda *args: asyncio.to_thread(method, *args))
+
+
+class CountingTask(Task):
+    """Prompt i has answer i; the reward is 1, or fails (NaN) for the answers in `bad`."""
+
+    name = "counting"
+
+    def __init__(self, bad: set[int] = frozenset()):
+        super().__init__()
+        self.bad = bad
+
+    def prompts(self, epoch=0, start=0):
+        index = start
+        while True:
+            yield {"prompt": f"p{index}", "prompt_ids": [3, index], "answer": index}
+            index += 1
+
+    def reward(self, response, answer, sample=None):
+        if answer in self.bad:
+            raise ValueError(f"no reward for {answer}")
+        return 1.0
+
+
+class StandInEngine:
+    """Answers every request with one token at version 0; raises `errors[prompt]` (once per entry) instead."""
+
+    def __init__(self, errors: dict[int, list[BaseException]] | None = None):
+        self.errors = errors or {}
+
+    async def _generate(self, req: GenerationRequest) -> GenerationResult:
+        pending = self.errors.get(req.prompt_ids[1])
+        if pending:
+            raise pending.pop(0)
+        return GenerationResult(req.request_id, req.prompt_ids, [5], [-0.1], [0], "length", "e0")
+
+    @property
+    def generate(self):
+        return types.SimpleNamespace(remote=self._generate)
+
+
+class StandInTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "x"
+
+
+def _running_driver(buffer: RolloutBuffer, task: Task, engine: StandInEngine, lag: int) -> GenerationDriver:
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        ["prompts_per_step=2", "rollout.samples_per_prompt=1", "rollout.max_concurrent_prompts=2"],
+    )
+    return GenerationDriver(LocalActor(buffer), {"e0": engine}, task, StandInTokenizer(), cfg, lag=lag)
+
+
+async def _drive_until(driver: GenerationDriver, condition, timeout_s: float = 10.0) -> None:
+    """Run the driver until `condition()` holds (or the timeout), then stop it."""
+    run = asyncio.create_task(driver.run())
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not condition() and time.monotonic() < deadline and not run.done():
+            await asyncio.sleep(0.02)
+    finally:
+        driver.stop()
+        await asyncio.wait_for(run, 10)
+
+
+def test_sync_mode_replaces_a_dropped_group_so_the_step_still_fills():
+    # lag 0, 2 prompts per step, prompt 0's reward fails: the buffer drops its group. The gate used to count
+    # claims, so it refused a third prompt and the trainer waited for a batch that could never fill.
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask(bad={0})))
+    driver = _running_driver(buffer, CountingTask(bad={0}), StandInEngine(), lag=0)
+    batches = []
+
+    async def scenario():
+        batches.append(await asyncio.to_thread(buffer.get_batch, 2, 0, 5.0))
+        assert batches[0], f"no batch for step 1 (generation stalled): {buffer.check_accounting()}"
+        await asyncio.sleep(0.3)  # on-policy: nothing more is claimed while the trainer is at version 0
+        counts = buffer.check_accounting()
+        assert (counts["in_flight"], counts["buffered"], counts["produced"]) == (0, 0, 3)
+        buffer.set_trainer_version(1)
+        batches.append(await asyncio.to_thread(buffer.get_batch, 2, 1, 5.0))
+
+    async def main():
+        trainer = asyncio.create_task(scenario())
+        await _drive_until(driver, trainer.done)
+        await trainer
+
+    asyncio.run(main())
+    assert [[g.prompt_index for g in batch] for batch in batches] == [[1, 2], [3, 4]]
+    assert buffer.stats()["dropped_by_reason"] == {"bad_reward": 1}
+    assert driver.stats.dropped_by_buffer == 1 and driver.stats.groups == 4
+
+
+def test_a_failed_generate_keeps_its_message_and_counts_only_real_requeues(caplog):
+    error = ValueError("prompt too long for the engine\nsecond line")
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()), max_requeues=1)
+    driver = _running_driver(buffer, CountingTask(), StandInEngine({0: [error, error]}), lag=0)
+
+    def done() -> bool:
+        return buffer.stats()["buffered"] == 2
+
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.driver"):
+        asyncio.run(_drive_until(driver, done))
+    stats = buffer.stats()
+    assert stats["dropped_by_reason"] == {"requeue_limit": 1}
+    assert stats["recent_drops"][0]["detail"].endswith("last: e0: ValueError: prompt too long for the engine")
+    assert driver.stats.engine_failures == 2 and driver.stats.requeued == 1  # the second one was a drop
+    assert "ValueError: prompt too long for the engine" in caplog.text and "second line" not in caplog.text
+
+
+def test_error_line_is_the_type_and_the_first_line_of_the_message():
+    assert error_line(ValueError("first\nsecond")) == "ValueError: first"
+    assert error_line(RuntimeError("")) == "RuntimeError"  # the old code failed here (IndexError)
+    assert error_line(ValueError("x" * 300), limit=5) == "ValueError: xxxxx"
+
+
+class SilentBuffer:
+    """A buffer actor that never answers."""
+
+    def __getattr__(self, name: str):
+        return types.SimpleNamespace(remote=lambda *args: asyncio.sleep(3600))
+
+
+def test_a_buffer_that_does_not_answer_stops_the_driver_naming_the_call(monkeypatch):
+    monkeypatch.setattr(driver_module, "CALL_TIMEOUT_S", 0.1)
+    driver = _running_driver(None, CountingTask(), StandInEngine(), lag=0)
+    driver.buffer = SilentBuffer()
+    with pytest.raises(GenerationError, match=r"buffer\.stats did not answer within 0\.1 s"):
+        asyncio.run(asyncio.wait_for(driver.run(), 10))

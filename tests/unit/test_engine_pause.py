@@ -1,0 +1,105 @@
+"""The engine's pause/resume around a weight update, with a stand-in for vLLM's AsyncLLM (no vLLM, no Ray):
+requests that wait for the resume go on after a good update and fail, naming the engine, after a bad one."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from megatron_rl.rollout import engine as engine_module
+from megatron_rl.rollout.engine import EngineError, EngineSpec, GenerationRequest, VLLMEngine
+
+
+class StandInLLM:
+    """What `VLLMEngine` uses of AsyncLLM: one-token generation, pause/resume, and a weight-update RPC that waits
+    for `release`, then fails with `update_error` (if set)."""
+
+    def __init__(self, update_error: BaseException | None = None, resume_error: BaseException | None = None):
+        self.update_error = update_error
+        self.resume_error = resume_error
+        self.update_started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.paused = False
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        if self.resume_error is not None:
+            raise self.resume_error
+        self.paused = False
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = ()) -> list:
+        self.update_started.set()
+        await self.release.wait()
+        if self.update_error is not None:
+            raise self.update_error
+        return [{"worker": 0}]
+
+    async def generate(self, prompt: dict, params, request_id: str):
+        completion = types.SimpleNamespace(token_ids=[7], logprobs=[{7: -0.5}], finish_reason="stop")
+        yield types.SimpleNamespace(outputs=[completion])
+
+
+def _engine(llm: StandInLLM) -> VLLMEngine:
+    engine = VLLMEngine(EngineSpec(name="e0", model_path="unused"))
+    engine._llm = llm
+    engine._sampling_params = lambda *args: None  # vLLM's SamplingParams: unused by the stand-in
+    return engine
+
+
+async def _request_parked_under_update(engine: VLLMEngine, llm: StandInLLM, timeout_s: float = 5.0):
+    """Start an update and, while it has generation paused, a request; returns (update task, request task)."""
+    update = asyncio.create_task(engine.update_weights(1, "{}", "keep", timeout_s=timeout_s))
+    await llm.update_started.wait()
+    request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=4)))
+    await asyncio.sleep(0.05)
+    assert not request.done(), "the request should wait while the update has generation paused"
+    return update, request
+
+
+@pytest.mark.parametrize("resume_error", [None, RuntimeError("vLLM engine core is dead")])
+def test_a_failed_update_releases_the_waiting_requests_with_the_engines_error(resume_error):
+    async def scenario():
+        llm = StandInLLM(update_error=RuntimeError("bucket 3: receive timed out"), resume_error=resume_error)
+        engine = _engine(llm)
+        update, request = await _request_parked_under_update(engine, llm)
+        llm.release.set()
+        with pytest.raises(EngineError, match=r"engine e0: update to version 1 failed: RuntimeError: bucket 3"):
+            await update
+        with pytest.raises(EngineError, match=r"engine e0: weights are inconsistent \(update to version 1 failed"):
+            await asyncio.wait_for(request, 2)  # it used to wait for the resume for ever
+        assert not engine.consistent and engine.version == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_good_update_lets_the_waiting_requests_go_on_at_the_new_version():
+    async def scenario():
+        llm = StandInLLM()
+        engine = _engine(llm)
+        update, request = await _request_parked_under_update(engine, llm)
+        llm.release.set()
+        assert (await update)["version"] == 1
+        result = await asyncio.wait_for(request, 2)
+        assert (result.token_ids, result.versions, result.logprobs) == ([7], [1], [-0.5])
+        assert not llm.paused
+
+    asyncio.run(scenario())
+
+
+def test_generation_paused_past_the_updates_timeout_fails_naming_the_engine(monkeypatch):
+    monkeypatch.setattr(engine_module, "RESUME_WAIT_MARGIN_S", 0.0)
+
+    async def scenario():
+        llm = StandInLLM()
+        engine = _engine(llm)
+        update, request = await _request_parked_under_update(engine, llm, timeout_s=0.2)
+        with pytest.raises(EngineError, match=r"engine e0: generation still paused after 0\.2 s"):
+            await asyncio.wait_for(request, 2)
+        llm.release.set()
+        await update
+
+    asyncio.run(scenario())
