@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
-from megatron_rl.rollout.engine import GenerationRequest
+from megatron_rl.rollout.engine import EngineError, GenerationRequest
 from megatron_rl.rollout.types import Group, Sample
 
 MODE_LAG = {"sync": 0, "one_step_off": 1}
@@ -166,13 +166,35 @@ class GenerationDriver:
                 outcome = "requeued" if requeued else "dropped by the buffer (requeue limit)"
                 log.warning("engine %s failed on prompt %d (%s); %s", engine, index, why, outcome)
                 self.failure = err
-                await asyncio.sleep(0.5)
+                if isinstance(err, EngineError) and not is_actor_death(err):
+                    await self._until_consistent(engine)  # claim nothing it would refuse (and burn) meanwhile
+                else:
+                    await asyncio.sleep(0.5)
                 continue
             group = await self._score(index, record, results)
             accepted = await self._call_buffer("put_group", group)  # first: a dropped group is accounted for
             self.stats.groups += int(accepted)
             self.stats.dropped_by_buffer += int(not accepted)
             self._check_rewards(group)
+
+    async def _until_consistent(self, engine: str) -> None:
+        """Wait while `engine` refuses requests (a failed weight update left its weights inconsistent) until the
+        trainer's next push makes it consistent again, it is marked down, or the driver stops.
+
+        Without this wait each of its workers would claim a prompt, have it refused and requeue it twice a second,
+        until the buffer dropped the prompts at their requeue limit.
+        """
+        while not self._stop.is_set() and engine not in self.down:
+            try:
+                health = await asyncio.wait_for(self.engines[engine].health.remote(), CALL_TIMEOUT_S)
+            except Exception as err:  # dead (the supervisor's probe will tell) or too slow: look again later
+                if is_actor_death(err):
+                    self.mark_down(engine, error_line(err))
+                    return
+                health = {}
+            if health.get("consistent", False):
+                return
+            await asyncio.sleep(GATE_POLL_S * 10)
 
     def _check_rewards(self, group: Group) -> None:
         """Count groups with a failed reward; too many in a row stop the run with the reward's own error."""

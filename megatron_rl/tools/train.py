@@ -199,7 +199,6 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
         driver = GenerationDriver(
             buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
         )
-        driver.stats.claimed = ray.get(buffer.stats.remote(), timeout=60)["produced"]  # the gate's step count
         supervisor = EngineSupervisor(pool, driver, control, buffer, cfg.rollout.max_engine_restarts)
         asyncio.run(_drive(driver, supervisor, trainer))
         trainer.check()

@@ -14,7 +14,7 @@ from megatron_rl.config import load_config
 from megatron_rl.rollout import driver as driver_module
 from megatron_rl.rollout.buffer import RolloutBuffer
 from megatron_rl.rollout.driver import GenerationDriver, GenerationError, RewardError, error_line
-from megatron_rl.rollout.engine import GenerationRequest, GenerationResult
+from megatron_rl.rollout.engine import EngineError, GenerationRequest, GenerationResult
 from megatron_rl.rollout.tasks import PromptStream, Task
 from megatron_rl.rollout.types import Group, Sample
 
@@ -199,3 +199,40 @@ def test_a_buffer_that_does_not_answer_stops_the_driver_naming_the_call(monkeypa
     driver.buffer = SilentBuffer()
     with pytest.raises(GenerationError, match=r"buffer\.stats did not answer within 0\.1 s"):
         asyncio.run(asyncio.wait_for(driver.run(), 10))
+
+
+class RefusingEngine(StandInEngine):
+    """Refuses every request, as an engine whose weights a failed update left inconsistent does, until its health
+    has been asked `repaired_after` times (standing in for the trainer's next push, which repairs it)."""
+
+    def __init__(self, repaired_after: int):
+        super().__init__()
+        self.health_calls = 0
+        self.repaired_after = repaired_after
+
+    async def _generate(self, req: GenerationRequest) -> GenerationResult:
+        if self.health_calls <= self.repaired_after:
+            raise EngineError("engine e0: weights are inconsistent (update 2 failed); refusing to generate")
+        return await super()._generate(req)
+
+    async def _health(self) -> dict:
+        self.health_calls += 1
+        return {"alive": True, "consistent": self.health_calls > self.repaired_after}
+
+    @property
+    def health(self):
+        return types.SimpleNamespace(remote=self._health)
+
+
+def test_an_engine_refusing_requests_is_waited_for_without_burning_prompts(monkeypatch):
+    monkeypatch.setattr(driver_module, "GATE_POLL_S", 0.005)
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()), max_requeues=2)
+    engine = RefusingEngine(repaired_after=5)
+    driver = _running_driver(buffer, CountingTask(), engine, lag=0)
+    asyncio.run(_drive_until(driver, lambda: buffer.stats()["buffered"] == 2))
+    stats = buffer.stats()
+    # Each of the two workers had one prompt refused and requeued (both may be the same prompt), then waited for
+    # the engine instead of claiming prompts for it to refuse: a third refusal would have dropped a prompt.
+    assert stats["buffered"] == 2 and stats["dropped_by_reason"] == {}
+    assert driver.stats.engine_failures == 2 and driver.stats.requeued == 2
+    assert engine.health_calls > engine.repaired_after and driver.down == {}
