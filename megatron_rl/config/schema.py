@@ -167,6 +167,9 @@ class RolloutConfig(Section):
     """KV cache size of a CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
     max_concurrent_prompts: int = Field(16, ge=1)
     """Prompts in flight per engine."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest one prompt's responses (all its samples) may take on an engine; past it they count as an engine
+    failure and the prompt is requeued."""
     cpu_affinity: list[int] = Field(default_factory=list)
     """CPU cores the engine processes run on (empty: all)."""
     max_engine_restarts: int = Field(3, ge=0)
@@ -233,6 +236,9 @@ class TaskConfig(Section):
     """Dataset file for `jsonl`/`parquet` tasks."""
     reward: str = ""
     """Dotted path of a reward function `fn(response, answer, sample) -> float` (empty: the task's own)."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Longest one reward call may take; past it the sample's reward is NaN (a failed reward, counted and logged)
+    and the call's thread is left to finish (Python cannot stop it)."""
     prompt_key: str = "prompt"
     """Dataset column holding the prompt."""
     answer_key: str = "answer"

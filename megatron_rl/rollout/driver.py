@@ -225,7 +225,14 @@ class GenerationDriver:
             )
             for sample in range(rollout.samples_per_prompt)
         ]
-        results = await asyncio.gather(*(self.engines[engine].generate.remote(r) for r in requests))
+        pending = asyncio.gather(*(self.engines[engine].generate.remote(r) for r in requests))
+        try:
+            results = await asyncio.wait_for(pending, rollout.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise GenerationError(
+                f"engine {engine}: prompt {index} not generated within rollout.request_timeout_s="
+                f"{rollout.request_timeout_s:g} s"
+            ) from None
         self.stats.generated_tokens += sum(len(r.token_ids) for r in results)
         return list(results)
 
@@ -235,10 +242,21 @@ class GenerationDriver:
         for i, result in enumerate(results):
             sample = Sample.from_generation(result, index, group_id=str(index))
             text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            sample.reward = await loop.run_in_executor(self._pool, self.task.score, text, record.get("answer"), sample)
+            sample.reward = await self._reward(loop, text, record.get("answer"), sample)
             sample.metadata["sample"] = i
             samples.append(sample)
         return Group(index, samples)
+
+    async def _reward(self, loop: asyncio.AbstractEventLoop, text: str, answer, sample: Sample) -> float:
+        """The task's score of one response, in the reward threads; NaN (a failed reward) past the timeout."""
+        limit = self.cfg.task.reward_timeout_s
+        try:
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._pool, self.task.score, text, answer, sample), limit
+            )
+        except asyncio.TimeoutError:
+            self.task.record_failure(f"timed out after task.reward_timeout_s={limit:g} s", sample)
+            return float("nan")
 
 
 def error_line(err: BaseException, limit: int = 200) -> str:

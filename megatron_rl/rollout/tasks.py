@@ -216,10 +216,11 @@ class Task(abc.ABC):
             error = f"raised {type(err).__name__}: {err}"
         if error is None:
             return float(value)
-        self._record_failure(error, sample)
+        self.record_failure(error, sample)
         return float("nan")
 
-    def _record_failure(self, error: str, sample: Any) -> None:
+    def record_failure(self, error: str, sample: Any) -> None:
+        """Count and log one failed reward (`error` says how, e.g. "raised ValueError: ..."); mark `sample`."""
         index = getattr(sample, "prompt_index", None)
         message = f"reward {self.reward_name!r} {error}"
         with self._failure_lock:

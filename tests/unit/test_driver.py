@@ -236,3 +236,41 @@ def test_an_engine_refusing_requests_is_waited_for_without_burning_prompts(monke
     assert stats["buffered"] == 2 and stats["dropped_by_reason"] == {}
     assert driver.stats.engine_failures == 2 and driver.stats.requeued == 2
     assert engine.health_calls > engine.repaired_after and driver.down == {}
+
+
+class SlowEngine(StandInEngine):
+    """Never answers prompt 0 in time; answers the others at once."""
+
+    async def _generate(self, req: GenerationRequest) -> GenerationResult:
+        if req.prompt_ids[1] == 0:
+            await asyncio.sleep(30)
+        return await super()._generate(req)
+
+
+def test_a_request_past_its_timeout_is_an_engine_failure_and_its_prompt_goes_back():
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()), max_requeues=1)
+    driver = _running_driver(buffer, CountingTask(), SlowEngine(), lag=1)
+    driver.cfg.rollout.request_timeout_s = 0.2
+    asyncio.run(_drive_until(driver, lambda: buffer.stats()["dropped"] == 1))
+    stats = buffer.stats()
+    assert stats["dropped_by_reason"] == {"requeue_limit": 1}  # prompt 0, twice too slow
+    assert "not generated within rollout.request_timeout_s=0.2 s" in stats["recent_drops"][0]["detail"]
+    assert driver.stats.engine_failures == 2
+
+
+class HangingRewardTask(CountingTask):
+    def reward(self, response, answer, sample=None):
+        if answer == 0:
+            time.sleep(2)
+        return 1.0
+
+
+def test_a_reward_past_its_timeout_is_a_failed_reward():
+    task = HangingRewardTask()
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(task))
+    driver = _running_driver(buffer, task, StandInEngine(), lag=0)
+    driver.cfg.task.reward_timeout_s = 0.2
+    asyncio.run(_drive_until(driver, lambda: buffer.stats()["dropped"] == 1))
+    assert buffer.stats()["dropped_by_reason"] == {"bad_reward": 1}
+    assert task.reward_failures == 1
+    assert "timed out after task.reward_timeout_s=0.2 s" in task.report()["recent"][0]["error"]
