@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,9 @@ class WeightGroup:
         prefix = dist.PrefixStore(f"{_PREFIX}/{self.spec.sender}", self.store)
         prefix.set(f"joined/{self.rank}", self.spec.members[self.rank])
         try:
+            # NCCL forms its communicator lazily, at the first collective, where a missing member would block
+            # without a deadline: every member waits here for all the others first, under the group's timeout.
+            prefix.wait([f"joined/{r}" for r in range(self.spec.world_size)], self.timeout)
             if self.spec.backend == "nccl":
                 self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.spec.world_size, _nccl_options(self.timeout))
             else:
@@ -147,10 +151,32 @@ def _nccl_options(timeout: datetime.timedelta):
 
 
 def wait(work, what: str, group: WeightGroup) -> None:
-    """Wait for a transfer; a failure names the group's sender and members."""
+    """Wait for a transfer; a failure, or on NCCL a transfer not done within the group's timeout, names the
+    group's sender and members."""
+    where = f"{what} on the weight group of sender {group.spec.sender} ({', '.join(group.spec.members)})"
     try:
+        if group.spec.backend == "nccl":
+            poll_until_completed(work, group.timeout.total_seconds(), where)
         work.wait()
+    except TransportError:
+        raise
     except (RuntimeError, dist.DistError) as err:
-        raise TransportError(
-            f"{what} on the weight group of sender {group.spec.sender} ({', '.join(group.spec.members)}) failed: {err}"
-        ) from None
+        raise TransportError(f"{where} failed: {err}") from None
+
+
+NCCL_POLL_S = 0.0005
+"""How often `poll_until_completed` looks at an NCCL transfer's completion."""
+
+
+def poll_until_completed(work, timeout_s: float, where: str) -> None:
+    """Return once `work` completed; TransportError after `timeout_s`.
+
+    An NCCL Work's `wait()` only orders the CUDA streams (the host goes on), and the watchdog that enforces the
+    timeout kills the whole process; polling `is_completed()` (a CUDA event query) lets the host see a transfer
+    that never finishes, and name it, within the timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TransportError(f"{where} did not complete within {timeout_s:g} s")
+        time.sleep(NCCL_POLL_S)

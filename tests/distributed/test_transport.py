@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import time
 
@@ -10,7 +11,7 @@ import torch
 
 from megatron_rl.weights.buckets import pack, unpack
 from megatron_rl.weights.plan import TensorSpec, plan_buckets
-from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, free_port
+from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, free_port, wait
 
 TENSORS = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16), "c": torch.arange(7)}
 
@@ -65,3 +66,36 @@ def test_member_that_never_joins_is_named_within_the_timeout():
     assert time.monotonic() - start < 30
     joiner.kill()
     joiner.join()
+
+
+class _StuckWork:
+    """An NCCL Work whose transfer never completes (a member died mid-transfer): `wait()` would return at once,
+    since it only orders CUDA streams."""
+
+    def __init__(self, done_after: int | None = None):
+        self.polls = 0
+        self.done_after = done_after
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.done_after is not None and self.polls > self.done_after
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_an_nccl_transfer_that_never_completes_is_named_within_the_timeout():
+    spec = GroupSpec(sender=2, host="127.0.0.1", port=1, members=("trainer-2", "engine-0/w0"), backend="nccl")
+    group = WeightGroup.__new__(WeightGroup)
+    group.spec, group.timeout = spec, datetime.timedelta(seconds=0.2)
+    start = time.monotonic()
+    with pytest.raises(
+        TransportError,
+        match=r"bucket 3 on the weight group of sender 2 \(trainer-2, engine-0/w0\) "
+        r"did not complete within 0.2 s",
+    ):
+        wait(_StuckWork(), "bucket 3", group)
+    assert time.monotonic() - start < 5
+    finishing = _StuckWork(done_after=3)
+    wait(finishing, "bucket 4", group)  # completes: no error
+    assert finishing.polls == 4
