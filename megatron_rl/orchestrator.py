@@ -51,7 +51,7 @@ class Trainer:
         opts = BuildOptions(
             dtype=cfg.model.dtype, moe_dispatcher=cfg.trainer.moe_dispatcher, init_weights=False,
             max_sequence_length=cfg.model.max_sequence_length, moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff,
-            recompute=cfg.trainer.recompute,
+            recompute=cfg.trainer.recompute, logit_temperature=cfg.rollout.temperature,
         )  # fmt: skip
         self.cfg = cfg
         self.rank = bring_up_from_hf(cfg.model.hf_path, layout_of(cfg), opts, timeout_s=cfg.trainer.timeout_s)

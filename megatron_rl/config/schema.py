@@ -132,8 +132,6 @@ class CheckpointConfig(Section):
 
     save_dir: str = ""
     """Folder for distributed checkpoints (empty: no saving)."""
-    load_dir: str = ""
-    """Distributed checkpoint to start from instead of the HF weights (empty: HF weights)."""
     save_interval: int = Field(0, ge=0)
     """Save a whole-run checkpoint (trainer, optimizer, RNG, buffer, data position) every this many steps, and
     after the last one (0: only after the last one)."""
@@ -155,10 +153,12 @@ class RolloutConfig(Section):
     """Enable vLLM expert parallelism inside each engine (over tp x dp)."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest generated response."""
-    temperature: float = Field(1.0, ge=0)
-    """Sampling temperature."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer computes its logprobs at the same temperature (logits / temperature), so
+    the importance ratios between trainer and engines compare the same distribution."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold; must stay 1 for training (the engines' logprobs would be renormalised over the
+    nucleus, which the trainer does not reproduce, biasing every importance ratio downwards)."""
     samples_per_prompt: int = Field(4, ge=1)
     """Responses per prompt (the group size of group-relative advantages)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -174,6 +174,16 @@ class RolloutConfig(Section):
     """CPU cores the engine processes run on (empty: all)."""
     max_engine_restarts: int = Field(3, ge=0)
     """How often each engine that dies is restarted (and brought to the current weights) before the run fails."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _full_nucleus(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError(
+                "must be 1: the engines' logprobs would be renormalised over the nucleus, which the trainer does not"
+                " reproduce, so every importance ratio would be biased"
+            )
+        return value
 
 
 class BufferConfig(Section):

@@ -142,6 +142,9 @@ class VLLMEngine:
             distributed_executor_backend="mp" if self.spec.tensor_parallel * self.spec.data_parallel > 1 else None,
             enable_prefix_caching=False,
             disable_log_stats=True,
+            # The sampled tokens' logprobs under the distribution they were drawn from (after temperature), which
+            # the trainer reproduces (BuildOptions.logit_temperature); vLLM's default gives the untempered ones.
+            logprobs_mode="processed_logprobs",
         )
         try:
             self._llm = AsyncLLM.from_engine_args(args)

@@ -22,15 +22,18 @@ def parity_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch
     return torch.randint(0, vocab_size, (batch, seq), generator=gen)
 
 
-def hf_logprobs(hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Log-probs [batch, seq-1] of tokens[:, 1:] under the checkpoint loaded by transformers' own model class."""
+def hf_logprobs(
+    hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probs [batch, seq-1] of tokens[:, 1:] under the checkpoint loaded by transformers' own model class (its
+    logits divided by `temperature`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
@@ -38,9 +41,10 @@ ParityCase = tuple  # (hf_dir, ParallelLayout, mcore_dir or None)
 
 
 def megatron_logprobs_many(
-    cases: list[ParityCase], tokens: list[torch.Tensor], timeout_s: float = 900.0
+    cases: list[ParityCase], tokens: list[torch.Tensor], timeout_s: float = 900.0, temperature: float = 1.0
 ) -> tuple[list[torch.Tensor], float]:
-    """Megatron's logprobs for each (hf_dir, layout, mcore_dir) case; one torchrun launch per world size."""
+    """Megatron's logprobs for each (hf_dir, layout, mcore_dir) case (logits divided by `temperature`, for HF
+    cases); one torchrun launch per world size."""
     results: list[torch.Tensor | None] = [None] * len(cases)
     seconds = 0.0
     with tempfile.TemporaryDirectory(prefix="mrl-parity-") as tmp:
@@ -49,6 +53,7 @@ def megatron_logprobs_many(
             torch.save(toks, Path(tmp) / f"tokens{i}.pt")
             by_world.setdefault(layout.world_size, []).append(
                 {"hf": str(hf_dir), "mcore": mcore_dir and str(mcore_dir), "layout": layout.__dict__,
+                 "temperature": temperature,
                  "tokens": str(Path(tmp) / f"tokens{i}.pt"), "out": str(Path(tmp) / f"out{i}.pt"), "index": i}
             )  # fmt: skip
         for world, world_cases in sorted(by_world.items()):

@@ -17,13 +17,15 @@ def run_case(case: dict) -> None:
     """Bring the rank up for one case, compute logprobs, and let one last-stage rank write them."""
     from megatron_rl.parallel.layout import ParallelLayout
     from megatron_rl.trainer.logprobs import forward_logprobs
+    from megatron_rl.trainer.model import BuildOptions
     from megatron_rl.trainer.setup import bring_up_from_hf, bring_up_from_mcore
 
     layout = ParallelLayout(**case["layout"])
     if case.get("mcore"):
         rank = bring_up_from_mcore(case["mcore"], layout)
     else:
-        rank = bring_up_from_hf(case["hf"], layout)
+        temperature = float(case.get("temperature", 1.0))
+        rank = bring_up_from_hf(case["hf"], layout, BuildOptions(logit_temperature=temperature, init_weights=False))
     logprobs = forward_logprobs(rank.model, rank.ctx, torch.load(case["tokens"]))
     if logprobs is not None and rank.ctx.tp_rank == 0 and rank.ctx.dp_rank == 0:
         torch.save(logprobs.cpu(), case["out"])

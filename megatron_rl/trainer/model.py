@@ -33,6 +33,9 @@ class BuildOptions:
     """Override the family's load-balancing loss coefficient (0 switches it off)."""
     recompute: bool = False
     """Recompute every layer's activations in the backward pass (less memory, more compute)."""
+    logit_temperature: float = 1.0
+    """Divide the output logits by this (the engines' sampling temperature), so the trainer's logprobs are those of
+    the tempered policy the rollouts were sampled from and importance ratios compare like with like."""
 
 
 def te_available() -> bool:
@@ -126,4 +129,17 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
     )
+    if ctx.is_last_stage and opts.logit_temperature != 1.0:
+        model.output_layer.register_forward_hook(_divide_logits_by(opts.logit_temperature))
     return model.to(ctx.device)
+
+
+def _divide_logits_by(temperature: float):
+    """A forward hook on the output layer (it returns (logits, bias)) that divides the logits by `temperature`;
+    what follows (vocab-parallel cross entropy, the logprobs) then sees the tempered distribution."""
+
+    def hook(module, args, output):
+        logits, bias = output
+        return logits / temperature, bias
+
+    return hook

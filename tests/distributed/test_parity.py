@@ -52,3 +52,17 @@ def test_parity(family, name, reports):
 def test_parity_tp2_pp2_ep2_dp2_qwen3_moe(tiny_dir):
     """TP2xPP2xEP2 with data parallel 2: 8 processes on this machine."""
     _check(run_parity(tiny_dir("qwen3_moe"), ParallelLayout(tp=2, pp=2, ep=2, dp=2), timeout_s=1500))
+
+
+def test_logprobs_at_the_sampling_temperature_match_transformers_at_tp2(tiny_dir):
+    """The trainer's logprobs at temperature 0.7 (the engines' sampling distribution) are transformers' with its
+    logits divided by 0.7, through the vocab-parallel cross entropy of TP2; far from the untempered ones."""
+    from megatron_rl.models import family_for_hf_config, read_hf_config
+    from megatron_rl.tools.parity import hf_logprobs, megatron_logprobs_many, parity_tokens
+
+    hf = tiny_dir("qwen3_moe")
+    config = read_hf_config(hf)
+    tokens = parity_tokens(family_for_hf_config(config).arch_from_hf(config).vocab_size, 4, 128)
+    (tempered,), _ = megatron_logprobs_many([(hf, ParallelLayout(tp=2), None)], [tokens], temperature=0.7)
+    assert (tempered - hf_logprobs(hf, tokens, temperature=0.7)).abs().max() <= TOLERANCE
+    assert (tempered - hf_logprobs(hf, tokens)).abs().mean() > 0.1

@@ -45,6 +45,9 @@ def test_dotted_overrides_apply_with_yaml_types():
         ("trainer.parallel.tp=true", "trainer.parallel.tp: must be a number, not true/false"),
         ("algorithm.is_cap=false", "algorithm.is_cap: must be a number, not true/false"),
         ("model.make_tiny=true", "model.make_tiny=true needs model.family"),
+        ("rollout.top_p=0.9", "rollout.top_p: must be 1: the engines' logprobs would be renormalised"),
+        ("rollout.temperature=0", "rollout.temperature: Input should be greater than 0"),
+        ("checkpoint.load_dir=/ckpt", "checkpoint.load_dir: unknown field"),
     ],
 )
 def test_errors_name_field_value_and_allowed(override, message):

