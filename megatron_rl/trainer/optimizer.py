@@ -191,8 +191,11 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, total_steps: int):
         end_wd=cfg.weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        # On resume only the step count comes from the checkpoint; lr, decay steps and style come from the config.
+        # Taking them from the checkpoint made a run resumed with more `steps` decay to min_lr at the old end and
+        # train at lr 0 after it, without a word.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 
