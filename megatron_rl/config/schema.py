@@ -192,12 +192,14 @@ class BufferConfig(Section):
     capacity: int = Field(256, ge=1)
     """Most groups buffered plus in flight (each claimed prompt reserves a slot); generation waits when full."""
     max_staleness: int = Field(4, ge=0)
-    """Groups whose oldest token is more than this many versions behind the trainer are dropped (or
-    corrected, per `stale_policy`)."""
+    """Groups whose oldest token is more than this many versions behind the trainer are dropped (or kept, per
+    `stale_policy`)."""
     max_requeues: int = Field(3, ge=0)
     """How often a prompt whose engine died is generated again before it is dropped."""
     stale_policy: Literal["drop", "correct"] = "drop"
-    """What happens to samples beyond `max_staleness`."""
+    """What happens to groups beyond `max_staleness`: `drop` them, or `correct`: keep them (counted as stale in
+    the metrics) and rely on the token-level importance correction every group gets (`algorithm.correction` with
+    the decoupled loss), which a run with this policy must therefore have; no extra correction is applied."""
 
 
 class AlgorithmConfig(Section):
@@ -331,5 +333,12 @@ class RunConfig(Section):
         if self.buffer.capacity < self.prompts_per_step:
             raise ValueError(
                 f"buffer.capacity={self.buffer.capacity} must be at least prompts_per_step={self.prompts_per_step}"
+            )
+        a = self.algorithm
+        if self.buffer.stale_policy == "correct" and (a.loss != "decoupled_ppo" or a.correction == "none"):
+            raise ValueError(
+                f"buffer.stale_policy=correct keeps groups past max_staleness, which only an importance correction"
+                f" makes sound: needs algorithm.loss=decoupled_ppo and a correction (got loss={a.loss},"
+                f" correction={a.correction}); or set buffer.stale_policy=drop"
             )
         return self

@@ -87,6 +87,13 @@ def test_cross_field_validation():
     assert "(top level)" not in str(err.value) and "got {" not in str(err.value)  # not the whole config dumped
 
 
+def test_keeping_stale_groups_needs_an_importance_correction():
+    assert load_config(None, ["buffer.stale_policy=correct"]).algorithm.correction == "tis"
+    for algorithm in (["algorithm.correction=none"], ["algorithm.loss=ppo"]):
+        with pytest.raises(ConfigError, match="buffer.stale_policy=correct keeps groups past max_staleness"):
+            load_config(None, ["buffer.stale_policy=correct", *algorithm])
+
+
 def test_a_missing_checkpoint_is_an_error_unless_a_tiny_one_is_asked_for(tmp_path):
     from megatron_rl.tools.train import ensure_model
 
