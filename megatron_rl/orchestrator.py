@@ -7,6 +7,7 @@ elsewhere all the time (rollout/driver.py); the trainer only waits when the buff
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -19,6 +20,22 @@ from megatron_rl.config import RunConfig
 from megatron_rl.recovery import RecoveringSync
 from megatron_rl.run_state import ResumeError, is_due, load_rng, mark_latest, save_rng, step_dir, write_run_state
 
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_MARGIN_S = 120.0
+"""Added to trainer.timeout_s for the trainer's process groups. The other ranks wait for rank 0's batch in a
+broadcast while rank 0 waits up to trainer.timeout_s for the buffer (after its own per-step work), so rank 0's
+deadline, and its error that says why, must come before the broadcast's."""
+
+
+class BatchWaitError(RuntimeError):
+    """(Ranks other than 0) rank 0 stopped waiting for a batch; the message is rank 0's error."""
+
+
+def collective_timeout_s(cfg: RunConfig) -> float:
+    """The timeout of the trainer's collectives: trainer.timeout_s plus `COLLECTIVE_TIMEOUT_MARGIN_S`."""
+    return cfg.trainer.timeout_s + COLLECTIVE_TIMEOUT_MARGIN_S
+
 
 def train_loop(cfg: RunConfig, spec: dict) -> None:
     """Pull a batch, recompute proximal logprobs, take an optimizer step, push the new weights; repeat."""
@@ -26,6 +43,9 @@ def train_loop(cfg: RunConfig, spec: dict) -> None:
     for step in range(run.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         groups = run.next_batch()  # waits only when the buffer is empty; follows engine restarts
+        if groups is None:  # task.epochs used up: no batch can be formed any more
+            run.end_out_of_prompts()
+            break
         t_data = time.perf_counter() - t0
         stats = run.trainer.step(to_train_batch(groups, cfg, run.trainer))
         if cfg.checkpoint.save_dir and is_due(step, cfg.checkpoint.save_interval, cfg.steps):
@@ -54,7 +74,7 @@ class Trainer:
             recompute=cfg.trainer.recompute, logit_temperature=cfg.rollout.temperature,
         )  # fmt: skip
         self.cfg = cfg
-        self.rank = bring_up_from_hf(cfg.model.hf_path, layout_of(cfg), opts, timeout_s=cfg.trainer.timeout_s)
+        self.rank = bring_up_from_hf(cfg.model.hf_path, layout_of(cfg), opts, timeout_s=collective_timeout_s(cfg))
         self.state = build_training(self.rank.model, cfg.trainer.optimizer, cfg.steps)
         self.reference = self._reference_model(opts) if cfg.algorithm.kl_coef > 0 else None
 
@@ -131,6 +151,8 @@ class Run:
             self.control = ray.get_actor(spec["control"])
         resume = spec.get("resume_from")
         self.step = self.trainer.load(Path(resume)) if resume else 0
+        self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
+        self.end_message = ""
         handles = engine_handles(spec["engines"], self.is_rank0)
         if self.is_rank0:  # the launcher starts the engines while the trainer loads
             ready = {h.name: h.actor.ready.remote(cfg.sync.timeout_s) for h in handles}
@@ -156,21 +178,37 @@ class Run:
 
         ray.get(self.control.report_trainer.remote(state, self.step, message), timeout=60)
 
-    def next_batch(self) -> list:
-        """The step's groups on every rank (sorted by prompt index, so a batch's order does not depend on timing).
+    def next_batch(self) -> list | None:
+        """The step's groups on every rank (sorted by prompt index, so a batch's order does not depend on timing),
+        or None on every rank when the prompt stream is used up (task.epochs) and no batch can be formed any more.
 
         Rank 0 waits for the buffer; when the launcher restarted an engine meanwhile, every rank re-forms the
-        weight groups and brings it to the current weights first (in sync mode nothing else would).
+        weight groups and brings it to the current weights first (in sync mode nothing else would). When rank 0
+        gives up (no batch within trainer.timeout_s, or a failed call), it raises its error and every other rank
+        raises BatchWaitError with the same message.
         """
         from megatron_rl.rollout.types import Group
 
         while True:
-            payload = [self._wait_for_batch() if self.is_rank0 else None]
+            payload = [self._rank0_payload() if self.is_rank0 else None]
             dist.broadcast_object_list(payload, src=0)
             kind, data = payload[0]
             if kind == "groups":
                 return sorted((Group.from_dict(d) for d in data), key=lambda g: g.prompt_index)
+            if kind == "exhausted":
+                return None
+            if kind == "error":  # never on rank 0: it raised its own error already
+                raise BatchWaitError(f"rank 0 stopped waiting for a batch: {data}")
             self.sync.resync(data, self.step)
+
+    def _rank0_payload(self) -> tuple[str, object]:
+        """What rank 0 broadcasts: its batch, a new roster, the end of the prompts; on an error, an error marker
+        (then it raises), so the other ranks stop with rank 0's message instead of a broadcast timeout."""
+        try:
+            return self._wait_for_batch()
+        except Exception as err:
+            _tell_other_ranks(err)
+            raise
 
     def _wait_for_batch(self) -> tuple[str, object]:
         import ray
@@ -181,9 +219,12 @@ class Run:
             roster = self.sync.roster_changed()
             if roster is not None:
                 return "roster", roster
-            groups = ray.get(self.buffer.get_batch.remote(cfg.prompts_per_step, self.step, 2.0), timeout=120)
+            groups = self._take_batch(2.0)
             if groups:
                 return "groups", [g.to_dict() for g in groups]
+            if self._prompts_finished():  # no group can arrive any more; the last one may have come meanwhile
+                groups = self._take_batch(0.0)
+                return ("groups", [g.to_dict() for g in groups]) if groups else ("exhausted", None)
             self._report("running")  # the launcher's watchdog: waiting for data is not being dead
         stats = ray.get(self.buffer.stats.remote(), timeout=60)
         raise TimeoutError(
@@ -191,6 +232,27 @@ class Run:
             f"(buffer: buffered={stats.get('buffered')}, in_flight={stats.get('in_flight')}, "
             f"dropped={stats.get('dropped_by_reason')}); is generation running?"
         )
+
+    def _take_batch(self, timeout_s: float) -> list:
+        import ray
+
+        return ray.get(self.buffer.get_batch.remote(self.cfg.prompts_per_step, self.step, timeout_s), timeout=120)
+
+    def _prompts_finished(self) -> bool:
+        """Whether the buffer says no group can arrive any more (prompt stream exhausted, nothing in flight)."""
+        import ray
+
+        return bool(ray.get(self.buffer.stats.remote(), timeout=60)["finished"])
+
+    def end_out_of_prompts(self) -> None:
+        """(Every rank) the prompt stream is used up (task.epochs) and no batch can be formed: checkpoint the last
+        step when saving is configured (unless it is saved already), and let the run end normally."""
+        cfg = self.cfg
+        if cfg.checkpoint.save_dir and self.step > self.saved_step:
+            self.save_checkpoint(self.step)
+        self.end_message = f"prompt stream exhausted after step {self.step} (task.epochs={cfg.task.epochs})"
+        if self.is_rank0:
+            log.warning("%s: the run ends before steps=%d", self.end_message, cfg.steps)
 
     def save_checkpoint(self, step: int) -> None:
         """(Every rank) the whole-run checkpoint of `step`: trainer state, RNG, buffer contents and data position."""
@@ -203,6 +265,7 @@ class Run:
         dist.barrier()
         if self.is_rank0:
             mark_latest(self.cfg.checkpoint.save_dir, folder)
+        self.saved_step = step
 
     def finish_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float) -> None:
         """The new version is out: tell the buffer and run control, log the step's metrics (rank 0)."""
@@ -216,9 +279,9 @@ class Run:
         self.metrics.log(step, record | self.meter.measure())
 
     def close(self) -> None:
-        """Report the end of training and close the metrics."""
+        """Report the end of training (and why it came early, if it did) and close the metrics."""
         if self.is_rank0:
-            self._report("done")
+            self._report("done", self.end_message)
             self.metrics.close()
 
 
@@ -231,6 +294,14 @@ class _WeightView:
         rank = trainer.rank
         self.ctx, self.family, self.arch, self.hf_config = rank.ctx, rank.family, rank.arch, rank.hf_config
         self.model = unwrap_model(trainer.state.model)
+
+
+def _tell_other_ranks(err: BaseException) -> None:
+    """(Rank 0) broadcast an error marker in place of the batch; best effort (rank 0's own error matters most)."""
+    try:
+        dist.broadcast_object_list([("error", f"{type(err).__name__}: {err}")], src=0)
+    except Exception as broadcast_err:
+        log.warning("could not tell the other ranks why rank 0 stops: %s", broadcast_err)
 
 
 def _inflight_mode(cfg: RunConfig) -> str:

@@ -11,6 +11,7 @@ Nothing here unpickles: tensors load with `torch.load(weights_only=True)`, the r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -20,9 +21,12 @@ RUN_STATE = "run_state.json"
 RNG_DIR = "rng"
 RUN_STATE_FORMAT = 1
 
+log = logging.getLogger(__name__)
+
 
 class ResumeError(RuntimeError):
-    """No usable checkpoint to resume from; the message names the folder and what is wrong."""
+    """No usable checkpoint or run record to resume from, or a fresh run pointed at another run's checkpoints; the
+    message names the folder or file and what is wrong."""
 
 
 def step_dir(save_dir: str | Path, step: int) -> Path:
@@ -39,6 +43,20 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     if not (folder / RUN_STATE).exists():
         raise ResumeError(f"{marker} names {folder}, which has no {RUN_STATE} (deleted or not a run checkpoint)")
     return folder
+
+
+def refuse_used_save_dir(save_dir: str | Path) -> None:
+    """(A fresh run) raise ResumeError when `save_dir` already has a `latest` marker: until this run's first save
+    it would name the previous run's checkpoint, which a later `--resume` would silently continue."""
+    if not save_dir:
+        return
+    marker = Path(save_dir) / LATEST
+    if marker.exists():
+        raise ResumeError(
+            f"checkpoint.save_dir={str(save_dir)!r} already holds a run's checkpoints ({marker} names "
+            f"{marker.read_text().strip()!r}): pass --resume to continue that run, or choose another "
+            "checkpoint.save_dir for a fresh one"
+        )
 
 
 def is_due(step: int, interval: int, last_step: int) -> bool:
@@ -118,10 +136,39 @@ def load_rng(folder: str | Path, rank: int) -> bool:
 
 
 def truncate_metrics(path: str | Path, last_step: int) -> int:
-    """Keep the metric records up to `last_step` (a resumed run redoes the later ones); returns how many stay."""
+    """Keep the metric records up to `last_step` (a resumed run redoes the later ones); returns how many stay.
+
+    An unparseable last line (a crash in the middle of writing it) is dropped with a warning; an unparseable line
+    before it raises ResumeError naming the file and line. A fresh run (`last_step` 0) keeps nothing, unread.
+    """
     path = Path(path)
     if not path.exists():
         return 0
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
+    if last_step <= 0:  # every record has a step >= 1
+        write_atomically(path, "")
+        return 0
+    lines = path.read_text().splitlines()
+    last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        record = _metrics_record(line)
+        if record is None and number == last:
+            log.warning("%s: dropping its unparseable last line %d (torn by a crash while writing it)", path, number)
+            break
+        if record is None:
+            raise ResumeError(f"{path}: line {number} is not a JSON record (only a torn last line is dropped)")
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
     write_atomically(path, "".join(line + "\n" for line in kept))
     return len(kept)
+
+
+def _metrics_record(line: str) -> dict | None:
+    """One metrics.jsonl line as a dict, or None when it is not one."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None

@@ -122,7 +122,8 @@ class TrainerConfig(Section):
     seed: int = 1234
     """Seed of parameter init and dropout streams."""
     timeout_s: float = Field(600.0, gt=0)
-    """Timeout of every trainer collective; a dead rank ends the job after this long."""
+    """How long rank 0 waits for a batch; the trainer's collectives wait 120 s longer (so rank 0's error, which says
+    why, comes first); a dead rank ends the job after that long."""
     cpu_affinity: list[int] = Field(default_factory=list)
     """CPU cores the trainer processes run on (empty: all); benchmarks pin trainer and engines apart."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -17,10 +18,14 @@ from megatron_rl.parallel.layout import ParallelLayout, layout_from_config
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
 from megatron_rl.rollout.driver import GenerationError
-from megatron_rl.run_state import ResumeError, write_atomically
+from megatron_rl.run_state import ResumeError, refuse_used_save_dir, write_atomically
+
+log = logging.getLogger(__name__)
 
 ORCHESTRATOR = "megatron_rl.orchestrator"
 BUFFER_NAME = "rollout-buffer"
+GENERATION_STOP_S = 30.0
+"""How long the cancelled generation tasks get to unwind once the trainer is done (requests are not waited for)."""
 
 
 def layout_of(cfg: RunConfig) -> ParallelLayout:
@@ -100,7 +105,7 @@ class ExternalTrainer:
             raise LaunchError(f"trainer failed after step {status['step']}: {status['message']}")
         if status.get("state") != "done":
             raise LaunchError(
-                f"trainer silent for {status.get('age_s', 0):.0f} s (> trainer.timeout_s={self.timeout_s:.0f}) "
+                f"trainer silent for {status.get('age_s', 0):.0f} s (> {self.timeout_s:.0f} s, from trainer.timeout_s) "
                 f"in state {status.get('state')!r} after step {status.get('step')}: is its torchrun job alive?"
             )
 
@@ -109,19 +114,39 @@ class ExternalTrainer:
 
 
 async def _drive(driver, supervisor, trainer, poll_s: float = 0.5) -> None:
-    """Run generation (and restart dead engines) until the trainer ends; a failure of either stops the trainer."""
+    """Run generation (and restart dead engines) until the trainer ends; a failure of generation while the
+    trainer still runs stops the trainer. Once the trainer has ended, its own outcome (`trainer.check()`) is what
+    counts, so generation is cancelled rather than waited for."""
     tasks = [asyncio.create_task(driver.run()), asyncio.create_task(supervisor.run())]
-    while not await trainer.finished() and not any(t.done() for t in tasks):
-        await asyncio.sleep(poll_s)
-    failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
-    if failed is not None:
-        trainer.stop()
-        driver.stop()
-        err = failed.exception()
-        raise GenerationError(f"generation failed: {type(err).__name__}: {err}") from err
+    try:
+        trainer_done = False
+        while not (trainer_done := await trainer.finished()) and not any(t.done() for t in tasks):
+            await asyncio.sleep(poll_s)
+        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+        if failed is not None and not trainer_done:
+            trainer.stop()
+            err = failed.exception()
+            raise GenerationError(f"generation failed: {type(err).__name__}: {err}") from err
+    finally:
+        await _stop_generation(driver, supervisor, tasks)
+
+
+async def _stop_generation(driver, supervisor, tasks: list[asyncio.Task]) -> None:
+    """Stop the driver and supervisor now: their tasks are cancelled, not waited for (a request may take up to
+    rollout.request_timeout_s). An abandoned prompt stays in flight in the buffer's accounting; never raises."""
     driver.stop()
     supervisor.stop()
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+    for task in tasks:
+        task.cancel()
+    done, pending = await asyncio.wait(tasks, timeout=GENERATION_STOP_S)
+    for task in pending:
+        log.warning(
+            "generation task %s did not stop within %g s of its cancellation", task.get_name(), GENERATION_STOP_S
+        )
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            err = task.exception()
+            log.warning("generation ended with %s: %s (after the trainer's end)", type(err).__name__, err)
 
 
 def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
@@ -129,6 +154,7 @@ def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     from megatron_rl.run_state import latest_checkpoint, read_run_state
 
     if not cfg.checkpoint.resume:
+        refuse_used_save_dir(cfg.checkpoint.save_dir)  # a crash before the first save would leave the old `latest`
         return None, None
     if not cfg.checkpoint.save_dir:
         raise ResumeError("checkpoint.resume needs checkpoint.save_dir (where the run's checkpoints are)")
@@ -145,6 +171,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
     import ray
 
     from megatron_rl.metrics import plot_reward_curve, read_metrics
+    from megatron_rl.orchestrator import collective_timeout_s
     from megatron_rl.recovery import EngineSupervisor
     from megatron_rl.rollout.buffer import make_buffer_actor
     from megatron_rl.rollout.control import CONTROL_NAME, make_control_actor
@@ -188,8 +215,8 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
             "world_size": layout.world_size,
         }  # fmt: skip
         write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
-        if external_trainer:
-            trainer = ExternalTrainer(control, cfg.trainer.timeout_s + 60)
+        if external_trainer:  # silent longer than a collective may wait (rank 0 reports the collective's error)
+            trainer = ExternalTrainer(control, collective_timeout_s(cfg) + 60)
         else:
             log_path = run_dir / "trainer.log"
             trainer = LocalTrainer(
@@ -202,6 +229,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
         supervisor = EngineSupervisor(pool, driver, control, buffer, cfg.rollout.max_engine_restarts)
         asyncio.run(_drive(driver, supervisor, trainer))
         trainer.check()
+        ended = ray.get(control.trainer_status.remote(), timeout=60)["message"]  # why it ended early, if it did
         accounting = ray.get(buffer.check_accounting.remote(), timeout=60)
         engines = pool.health()
     finally:
@@ -212,6 +240,7 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
     plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", title=f"{cfg.name}: {cfg.mode}")
     summary = {
         "run_dir": str(run_dir), "mode": cfg.mode, "steps": len(records), "wall_seconds": round(time.perf_counter() - start, 1),
+        "steps_planned": cfg.steps, "ended_early": ended or None,
         "resumed_from": str(resume_from) if resume_from else None,
         "reward_first": records[0]["reward/mean"] if records else None,
         "reward_last": records[-1]["reward/mean"] if records else None,

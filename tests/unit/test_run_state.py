@@ -17,6 +17,7 @@ from megatron_rl.run_state import (
     load_rng,
     mark_latest,
     read_run_state,
+    refuse_used_save_dir,
     save_rng,
     step_dir,
     truncate_metrics,
@@ -98,3 +99,28 @@ def test_request_seeds_are_fixed_and_distinct():
     assert request_seed(1234, 7, 3) == request_seed(1234, 7, 3)
     assert request_seed(1234, 7, 3) != request_seed(1235, 7, 3)
     assert all(0 <= s < 1 << 63 for s in seeds)
+
+
+def test_truncate_metrics_drops_a_torn_last_line_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 4)) + '{"step": 4, "lo')
+    with caplog.at_level("WARNING", logger="megatron_rl.run_state"):
+        assert truncate_metrics(path, 3) == 3
+    assert "unparseable last line 4" in caplog.text
+    assert path.read_text() == "".join(json.dumps({"step": s}) + "\n" for s in range(1, 4))
+
+
+def test_truncate_metrics_refuses_an_unparseable_line_before_the_last(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(ResumeError, match=r"metrics.jsonl: line 2 is not a JSON record"):
+        truncate_metrics(path, 3)
+    assert truncate_metrics(path, 0) == 0 and path.read_text() == ""  # a fresh run keeps nothing, unread
+
+
+def test_refuse_used_save_dir_names_the_folder(tmp_path):
+    refuse_used_save_dir("")
+    refuse_used_save_dir(tmp_path / "absent")
+    mark_latest(tmp_path, step_dir(tmp_path, 2))
+    with pytest.raises(ResumeError, match=r"already holds a run's checkpoints.*pass --resume"):
+        refuse_used_save_dir(tmp_path)
