@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
-from megatron_rl.rollout.engine import EngineError, GenerationRequest
+from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.types import Group, Sample
 
 MODE_LAG = {"sync": 0, "one_step_off": 1}
@@ -166,10 +166,7 @@ class GenerationDriver:
                 outcome = "requeued" if requeued else "dropped by the buffer (requeue limit)"
                 log.warning("engine %s failed on prompt %d (%s); %s", engine, index, why, outcome)
                 self.failure = err
-                if isinstance(err, EngineError) and not is_actor_death(err):
-                    await self._until_consistent(engine)  # claim nothing it would refuse (and burn) meanwhile
-                else:
-                    await asyncio.sleep(0.5)
+                await self._until_engine_ready(engine)  # claim nothing it would fail (and burn) meanwhile
                 continue
             group = await self._score(index, record, results)
             accepted = await self._call_buffer("put_group", group)  # first: a dropped group is accounted for
@@ -177,21 +174,26 @@ class GenerationDriver:
             self.stats.dropped_by_buffer += int(not accepted)
             self._check_rewards(group)
 
-    async def _until_consistent(self, engine: str) -> None:
-        """Wait while `engine` refuses requests (a failed weight update left its weights inconsistent) until the
-        trainer's next push makes it consistent again, it is marked down, or the driver stops.
+    async def _until_engine_ready(self, engine: str) -> None:
+        """After a failed request: ask the engine's health before its worker claims again. A dead actor or a dead
+        vLLM inside it is marked down (the supervisor restarts it); an engine refusing requests (a failed weight
+        update left its weights inconsistent) is waited for until the trainer's next push makes it consistent; a
+        healthy engine (the request itself failed) goes on at once.
 
-        Without this wait each of its workers would claim a prompt, have it refused and requeue it twice a second,
-        until the buffer dropped the prompts at their requeue limit.
+        Without this each worker would claim a prompt, have it fail and requeue it twice a second until the
+        supervisor's probe noticed, and the buffer would drop prompts at their requeue limit.
         """
         while not self._stop.is_set() and engine not in self.down:
             try:
                 health = await asyncio.wait_for(self.engines[engine].health.remote(), CALL_TIMEOUT_S)
-            except Exception as err:  # dead (the supervisor's probe will tell) or too slow: look again later
+            except Exception as err:  # dead, or too slow to answer: look again later
                 if is_actor_death(err):
                     self.mark_down(engine, error_line(err))
                     return
                 health = {}
+            if health and not health.get("alive", True):
+                self.mark_down(engine, "vLLM inside the actor is dead")
+                return
             if health.get("consistent", False):
                 return
             await asyncio.sleep(GATE_POLL_S * 10)

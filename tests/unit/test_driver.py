@@ -110,6 +110,13 @@ class StandInEngine:
     def generate(self):
         return types.SimpleNamespace(remote=self._generate)
 
+    async def _health(self) -> dict:
+        return {"alive": True, "consistent": True}
+
+    @property
+    def health(self):
+        return types.SimpleNamespace(remote=self._health)
+
 
 class StandInTokenizer:
     def decode(self, ids, skip_special_tokens=True):
@@ -219,10 +226,6 @@ class RefusingEngine(StandInEngine):
         self.health_calls += 1
         return {"alive": True, "consistent": self.health_calls > self.repaired_after}
 
-    @property
-    def health(self):
-        return types.SimpleNamespace(remote=self._health)
-
 
 def test_an_engine_refusing_requests_is_waited_for_without_burning_prompts(monkeypatch):
     monkeypatch.setattr(driver_module, "GATE_POLL_S", 0.005)
@@ -274,3 +277,25 @@ def test_a_reward_past_its_timeout_is_a_failed_reward():
     assert buffer.stats()["dropped_by_reason"] == {"bad_reward": 1}
     assert task.reward_failures == 1
     assert "timed out after task.reward_timeout_s=0.2 s" in task.report()["recent"][0]["error"]
+
+
+class DeadInsideEngine(StandInEngine):
+    """Its actor answers, but vLLM inside it is dead: every request fails, health says so."""
+
+    async def _generate(self, req: GenerationRequest) -> GenerationResult:
+        raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
+
+    async def _health(self) -> dict:
+        return {"alive": False, "consistent": True}
+
+
+def test_an_engine_whose_vllm_died_is_marked_down_at_its_first_failure():
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()), max_requeues=2)
+    driver = _running_driver(buffer, CountingTask(), DeadInsideEngine(), lag=1)
+    asyncio.run(_drive_until(driver, lambda: "e0" in driver.down))
+    time.sleep(0.2)
+    # Each of the two workers had a prompt fail once (both may be the same prompt), then the engine was down:
+    # nothing was claimed again to fail (a third failure of a prompt would have dropped it).
+    assert driver.down == {"e0": "vLLM inside the actor is dead"}
+    assert buffer.stats()["dropped_by_reason"] == {}
+    assert driver.stats.engine_failures <= 2
