@@ -129,13 +129,15 @@ class GenerationDriver:
         live = stats["consumed"] + stats["buffered"] + stats["in_flight"]
         return live < (self.trainer_version + self.lag + 1) * self.cfg.prompts_per_step
 
-    async def _claim(self) -> tuple[int, dict] | None:
+    async def _claim(self, engine: str) -> tuple[int, dict] | None:
         """Claim one prompt when the gate allows it (the step it serves is close enough to the trainer).
 
         Claims are serialized, so the counts the gate reads include every earlier claim of this driver."""
         async with self._claim_lock:
             start = time.perf_counter()
-            while not self._stop.is_set():
+            # An engine that goes down while its worker waits here claims nothing: its actor handle is the dead one
+            # until the restart, and the prompt would fail on it and be requeued once more by each waiting worker.
+            while not self._stop.is_set() and engine not in self.down:
                 if await self._gate_open():
                     claimed = await self._call_buffer("claim_prompts", 1, 0.2)
                     if claimed:
@@ -150,9 +152,9 @@ class GenerationDriver:
             if engine in self.down:  # claim nothing for a dead engine: the prompt would only be requeued
                 await asyncio.sleep(0.2)
                 continue
-            claimed = await self._claim()
-            if claimed is None:
-                return
+            claimed = await self._claim(engine)
+            if claimed is None:  # stopped, or the engine went down meanwhile
+                continue
             index, record = claimed
             try:
                 results = await self._generate(engine, index, record)

@@ -299,3 +299,33 @@ def test_an_engine_whose_vllm_died_is_marked_down_at_its_first_failure():
     assert driver.down == {"e0": "vLLM inside the actor is dead"}
     assert buffer.stats()["dropped_by_reason"] == {}
     assert driver.stats.engine_failures <= 2
+
+
+def test_workers_waiting_at_the_gate_claim_nothing_for_an_engine_that_went_down():
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    driver = _running_driver(buffer, CountingTask(), StandInEngine(), lag=0)
+
+    async def scenario():
+        run = asyncio.create_task(driver.run())
+        try:
+            await _until(lambda: buffer.stats()["buffered"] == 2)  # step 0's prompts; the gate is closed now
+            driver.mark_down("e0", "ActorDiedError: killed during a weight push")
+            buffer.set_trainer_version(1)  # the gate opens while the engine is down
+            await asyncio.sleep(0.5)
+            claimed_while_down = driver.stats.claimed
+            driver.bring_back("e0", driver.engines["e0"])
+            await _until(lambda: buffer.stats()["buffered"] == 4)
+            return claimed_while_down
+        finally:
+            driver.stop()
+            await asyncio.wait_for(run, 10)
+
+    assert asyncio.run(scenario()) == 2  # nothing was claimed for the dead engine (it would have failed on it)
+    assert driver.stats.engine_failures == 0 and buffer.stats()["dropped"] == 0
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
