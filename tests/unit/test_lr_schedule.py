@@ -17,12 +17,18 @@ def _scheduler(steps: int):
     return optimizer, build_scheduler(optimizer, OptimizerConfig(lr=1e-3, lr_decay_style="cosine"), steps)
 
 
-def test_a_resumed_run_with_more_steps_follows_the_new_schedule():
-    _, first = _scheduler(steps=10)
-    for _ in range(10):
+def _resumed(saved_steps: int, done: int, steps: int):
+    """A scheduler of a `saved_steps` run after `done` updates, and one for `steps` resumed from its state."""
+    _, first = _scheduler(saved_steps)
+    for _ in range(done):
         first.step(1)
-    optimizer, extended = _scheduler(steps=20)
-    extended.load_state_dict(first.state_dict())
+    optimizer, resumed = _scheduler(steps)
+    resumed.load_state_dict(first.state_dict())
+    return first, optimizer, resumed
+
+
+def test_a_resumed_run_with_more_steps_follows_the_new_schedule():
+    _, optimizer, extended = _resumed(saved_steps=10, done=10, steps=20)
     assert extended.num_steps == 10  # the step count does come from the checkpoint
     extended.step(1)
     # Cosine over 20 steps at step 11: about half the peak. Taken from the checkpoint, the schedule ended at step 10
@@ -33,11 +39,7 @@ def test_a_resumed_run_with_more_steps_follows_the_new_schedule():
 
 
 def test_the_same_config_resumes_the_same_schedule():
-    _, first = _scheduler(steps=10)
-    for _ in range(4):
-        first.step(1)
-    optimizer, resumed = _scheduler(steps=10)
-    resumed.load_state_dict(first.state_dict())
+    first, optimizer, resumed = _resumed(saved_steps=10, done=4, steps=10)
     first.step(1)
     resumed.step(1)
     assert optimizer.param_groups[0]["lr"] == first.optimizer.param_groups[0]["lr"]
