@@ -168,18 +168,10 @@ class EngineSupervisor:
     @staticmethod
     async def _probe_one(actor) -> str | None:
         """Why `actor`'s engine is dead, or None when it answered healthy or is busy."""
-        from megatron_rl.rollout.driver import is_actor_death
+        from megatron_rl.rollout.driver import ask_health
 
-        try:
-            health = await asyncio.wait_for(actor.health.remote(), PROBE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return None
-        except Exception as err:
-            if is_actor_death(err):
-                return f"health probe: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            log.warning("health probe failed (%s: %s); not taking the engine as dead", type(err).__name__, err)
-            return None
-        return None if health.get("alive", True) else "health probe: vLLM inside the actor is dead"
+        _, dead = await ask_health(actor, PROBE_TIMEOUT_S)
+        return None if dead is None else f"health probe: {dead}"
 
     async def _restart(self, name: str, reason: str) -> None:
         count = self.restarts.get(name, 0)

@@ -186,19 +186,13 @@ class GenerationDriver:
         supervisor's probe noticed, and the buffer would drop prompts at their requeue limit.
         """
         while not self._stop.is_set() and engine not in self.down:
-            try:
-                health = await asyncio.wait_for(self.engines[engine].health.remote(), CALL_TIMEOUT_S)
-            except Exception as err:  # dead, or too slow to answer: look again later
-                if is_actor_death(err):
-                    self.mark_down(engine, error_line(err))
-                    return
-                health = {}
-            if health and not health.get("alive", True):
-                self.mark_down(engine, "vLLM inside the actor is dead")
+            health, dead = await ask_health(self.engines[engine], CALL_TIMEOUT_S)
+            if dead is not None:
+                self.mark_down(engine, dead)
                 return
             if health.get("consistent", False):
                 return
-            await asyncio.sleep(GATE_POLL_S * 10)
+            await asyncio.sleep(GATE_POLL_S * 10)  # too slow to answer, or inconsistent: look again later
 
     def _check_rewards(self, group: Group) -> None:
         """Count groups with a failed reward; too many in a row stop the run with the reward's own error."""
@@ -268,6 +262,21 @@ def error_line(err: BaseException, limit: int = 200) -> str:
     lines = str(err).strip().splitlines()
     first = lines[0][:limit] if lines else ""
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+async def ask_health(actor, timeout_s: float) -> tuple[dict, str | None]:
+    """An engine actor's health report ({} when it did not answer in time, or failed to) and why the engine is
+    dead: its actor is gone, or vLLM inside it is (`alive` False); None when it is not known to be dead."""
+    try:
+        health = await asyncio.wait_for(actor.health.remote(), timeout_s)
+    except asyncio.TimeoutError:
+        return {}, None
+    except Exception as err:
+        if is_actor_death(err):
+            return {}, error_line(err)
+        log.warning("health check failed (%s); not taking the engine as dead", error_line(err))
+        return {}, None
+    return health, (None if health.get("alive", True) else "vLLM inside the actor is dead")
 
 
 def is_actor_death(err: BaseException) -> bool:
