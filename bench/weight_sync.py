@@ -45,6 +45,7 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
     nbytes = report["plan"]["payload_bytes"]
     sync_s = statistics.median(report["sync_seconds"])
     raw_s = statistics.median(report["raw_seconds"])
+    chunked_s = statistics.median(report["chunked_seconds"])
     return {
         "bucket_mb": bucket_mb,
         "buckets": report["plan"]["buckets"],
@@ -54,15 +55,30 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
         "plain_seconds": round(raw_s, 4),
         "plain_gb_per_s": round(nbytes / raw_s / 1e9, 4),
         "ratio": round(raw_s / sync_s, 3),
+        "plain_chunked_seconds": round(chunked_s, 4),
+        "plain_chunk_bytes": report["chunk_bytes"],
+        "ratio_to_chunked": round(chunked_s / sync_s, 3),
         "engine_side": [_engine_phases(w) for ws in report["engine_side"] for w in ws],
     }
 
 
 def _engine_phases(worker: dict) -> dict:
     """One engine worker's update, in seconds: whole, waiting for bytes, and the loader's phases."""
-    keys = ("seconds", "wait_seconds", "loader_begin_s", "loader_load_s", "loader_repack_s", "finish_seconds")
+    keys = (
+        "bucket_seconds",
+        "seconds",
+        "wait_seconds",
+        "loader_begin_s",
+        "loader_load_s",
+        "loader_repack_s",
+        "finish_seconds",
+    )
     return {
-        key.removeprefix("loader_").removesuffix("_seconds"): round(worker[key], 3) for key in keys if key in worker
+        key.removeprefix("loader_").removesuffix("_seconds"): worker[key]
+        if key == "bucket_seconds"
+        else round(worker[key], 3)
+        for key in keys
+        if key in worker
     }
 
 

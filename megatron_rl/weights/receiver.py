@@ -25,6 +25,7 @@ class WeightReceiver:
     def __init__(self) -> None:
         self.groups: dict[int, WeightGroup] = {}
         self._buffers: list[torch.Tensor] = []
+        self._raw_buffer: torch.Tensor | None = None
 
     def join(self, groups_json: str, member_rank: int, timeout_s: float) -> dict:
         """Join every sender's group as `member_rank` (the same rank in each group)."""
@@ -48,39 +49,46 @@ class WeightReceiver:
         buffers = self._buffers_for(max((b.nbytes for b in plan), default=0))
         loader.begin_update()  # a fresh start also after an update that failed half-way
         with bucket_io.leave_a_core_to_transport(buffers[0].device if buffers else "cpu"):
-            received, tensors, wait_s = self._receive_buckets(plan, buffers, version, loader)
+            stats = self._receive_buckets(plan, buffers, version, loader)
         finish_start = time.perf_counter()
         loader.finish()
         end = time.perf_counter()
+        layouts = loader.wire_layouts() if hasattr(loader, "wire_layouts") else {}
         phases = getattr(loader, "timings", {})
-        return {"version": version, "bytes": received, "tensors": tensors, "seconds": end - start,
-                "wait_seconds": wait_s, "finish_seconds": end - finish_start,
-                **{f"loader_{k}": v for k, v in phases.items()}}  # fmt: skip
+        return {"version": version, **stats, "seconds": end - start, "finish_seconds": end - finish_start,
+                "wire_layouts": layouts, **{f"loader_{k}": v for k, v in phases.items()}}  # fmt: skip
 
-    def _receive_buckets(
-        self, plan: list[BucketSpec], buffers: list[torch.Tensor], version: int, loader
-    ) -> tuple[int, int, float]:
-        """Receive and load every bucket in order: (bytes, tensors loaded, seconds spent waiting for bytes).
+    def _receive_buckets(self, plan: list[BucketSpec], buffers: list[torch.Tensor], version: int, loader) -> dict:
+        """Receive and load every bucket in order; returns bytes, tensors loaded (`in_place` of them received
+        straight into the running model), seconds waiting for bytes, and per bucket the seconds waiting for it
+        and loading it.
 
         Receives are posted `len(buffers) - 1` buckets ahead of the one being loaded, so the transfer goes on
         while a slow bucket (the first one: every dense layer, repacked as it completes) is loaded.
         """
-        received = tensors = 0
+        received = tensors = in_place = 0
         wait_s = 0.0
+        per_bucket = []
         pending = collections.deque(
-            self._post(bucket, buffers[i % len(buffers)]) for i, bucket in enumerate(plan[: len(buffers) - 1])
+            self._post(bucket, buffers[i % len(buffers)], loader) for i, bucket in enumerate(plan[: len(buffers) - 1])
         )
         for i, bucket in enumerate(plan):
-            buffer, work, group = pending.popleft()
+            buffer, works, group, placed = pending.popleft()
             wait_start = time.perf_counter()
-            wait(work, f"bucket {bucket.index}", group)
+            for work in works:
+                wait(work, f"bucket {bucket.index}", group)
             wait_s += time.perf_counter() - wait_start
             ahead = i + len(buffers) - 1
             if ahead < len(plan):
-                pending.append(self._post(plan[ahead], buffers[ahead % len(buffers)]))
-            tensors += loader.load(bucket_io.unpack(buffer, bucket, version))
+                pending.append(self._post(plan[ahead], buffers[ahead % len(buffers)], loader))
+            load_start = time.perf_counter()
+            named = bucket_io.unpack(buffer, bucket, version, skip=placed)
+            tensors += loader.load(named, placed=placed) if placed else loader.load(named)
+            in_place += len(placed)
+            per_bucket.append((round(load_start - wait_start, 4), round(time.perf_counter() - load_start, 4)))
             received += bucket.nbytes
-        return received, tensors, wait_s
+        return {"bytes": received, "tensors": tensors, "in_place": in_place, "wait_seconds": wait_s,
+                "bucket_seconds": per_bucket}  # fmt: skip
 
     def _buffers_for(self, nbytes: int) -> list[torch.Tensor]:
         """`RECEIVE_BUFFERS` receive buffers of at least `nbytes`, kept between updates.
@@ -94,19 +102,42 @@ class WeightReceiver:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(RECEIVE_BUFFERS)]
         return self._buffers
 
-    def _post(self, bucket: BucketSpec, buffer: torch.Tensor) -> tuple:
-        """Start receiving one bucket into the front of `buffer`: (bucket view, work, group)."""
+    def _post(self, bucket: BucketSpec, buffer: torch.Tensor, loader) -> tuple:
+        """Start receiving one bucket (each of its broadcasts) into the front of `buffer`: (bucket view, works,
+        group, names of the tensors received straight into the running model instead).
+
+        A tensor that arrives in a wire layout goes straight to where the loader says the running model holds
+        it in that layout (`direct_destination`), which saves the loader a pass over its bytes; otherwise into
+        the buffer, from which `unpack` puts it back into its own layout.
+        """
         group = self.groups.get(bucket.owner)
         if group is None:
             raise TransportError(f"no weight group for sender {bucket.owner} (bucket {bucket.index})")
-        view = buffer[: bucket.nbytes]
-        return view, group.broadcast(view, src=0), group
+        targets = bucket_io.receive_targets(buffer, bucket)
+        placed = []
+        destination_of = getattr(loader, "direct_destination", None)
+        for i, segment in enumerate(bucket.broadcasts):
+            slot = bucket.slots[segment.slot] if segment.slot is not None else None
+            if slot is None or not slot.layout or destination_of is None:
+                continue
+            destination = destination_of(slot.name, slot.layout, slot.shape, slot.dtype)
+            if destination is not None and destination.numel() == segment.nbytes:
+                targets[i] = destination
+                placed.append(slot.name)
+        works = [group.broadcast(target, src=0) for target in targets]
+        return buffer[: bucket.nbytes], works, group, placed
 
     def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int) -> dict:
-        """Baseline for benchmarks: receive `nbytes` from `sender` in chunks, loading nothing."""
+        """Baseline for benchmarks: receive `nbytes` from `sender` in broadcasts of `chunk_bytes`, loading nothing.
+
+        Into a buffer of its own, made once and kept (warm memory, as the update's are), not the update's.
+        """
         group = self.groups[sender]
+        if self._raw_buffer is None or self._raw_buffer.numel() < chunk_bytes:
+            self._raw_buffer = None  # free the old one first
+            self._raw_buffer = torch.empty(chunk_bytes, dtype=torch.uint8, device=compute_device())
+        buffer = self._raw_buffer
         start = time.perf_counter()
-        buffer = self._buffers_for(chunk_bytes)[0]  # the update's own (warm) receive buffer
         for offset in range(0, nbytes, chunk_bytes):
             wait(group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0), "raw chunk", group)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}

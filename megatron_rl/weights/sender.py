@@ -50,13 +50,19 @@ def owned_tensor_specs(model, family: ModelFamily, arch: ModelArch, ctx: Paralle
 
 
 def build_plan(
-    model, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, bucket_bytes: int
+    model,
+    family: ModelFamily,
+    arch: ModelArch,
+    ctx: ParallelContext,
+    bucket_bytes: int,
+    unpacked_min_bytes: int | None = None,
+    layouts: dict[str, str] | None = None,
 ) -> list[BucketSpec]:
     """The same bucket plan on every trainer rank (specs all-gathered over the trainer's default group)."""
     mine = owned_tensor_specs(model, family, arch, ctx)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return plan_buckets(list(itertools.chain.from_iterable(everyone)), bucket_bytes)
+    return plan_buckets(list(itertools.chain.from_iterable(everyone)), bucket_bytes, unpacked_min_bytes, layouts)
 
 
 _SEND_BUFFERS: dict[tuple[int, str], bucket_io.DoubleBuffer] = {}
@@ -121,8 +127,8 @@ def _send_buckets(
         pending[name] = tensor
         if len(pending) == len(current.slots):
             buffer = buffers.next_buffer(lambda work: wait(work, "broadcast", group))
-            wire = bucket_io.pack(buffer, current, pending, version)
-            buffers.sent(group.broadcast(wire, src=0))
+            sources = bucket_io.broadcast_sources(buffer, current, pending, version)
+            buffers.sent([group.broadcast(source, src=0) for source in sources], sources)
             sent_bytes += current.nbytes
             pending = {}
             current = next(queue, None)
@@ -131,5 +137,5 @@ def _send_buckets(
             f"rank {ctx.rank}: bucket {current.index} was never filled (missing {len(current.slots) - len(pending)} tensors)"
         )
     if buffers is not None:
-        wait(buffers, "broadcast", group)
+        buffers.wait(lambda work: wait(work, "broadcast", group))
     return sent_bytes

@@ -13,8 +13,15 @@ import torch.distributed as dist
 
 from megatron_rl.trainer.setup import TrainerRank
 from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
-from megatron_rl.weights.sender import build_plan, send_buffers, send_update
-from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, default_backend, resolve_host
+from megatron_rl.weights.sender import build_plan, send_update
+from megatron_rl.weights.transport import (
+    GroupSpec,
+    TransportError,
+    WeightGroup,
+    default_backend,
+    resolve_host,
+    unpacked_min_bytes,
+)
 
 
 class SyncError(RuntimeError):
@@ -77,6 +84,8 @@ class TrainerWeightSync:
         self.inflight = inflight
         self.plan: list[BucketSpec] = []
         self.group: WeightGroup | None = None
+        self.layouts: dict[str, str] = {}
+        """HF name -> the wire layout every engine asked for (see `agreed_wire_layouts`); the plan follows it."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -90,7 +99,8 @@ class TrainerWeightSync:
     def setup(self) -> dict:
         """Plan the buckets, start the senders' stores, and form every weight group with every engine worker."""
         r = self.rank
-        self.plan = build_plan(r.model, r.family, r.arch, r.ctx, self.bucket_bytes)
+        backend = default_backend()
+        self.plan = self._build_plan()
         senders = sorted({b.owner for b in self.plan})
         store, address = None, None
         if r.ctx.rank in senders:
@@ -99,7 +109,7 @@ class TrainerWeightSync:
             address = (host, port)
         addresses: list = [None] * dist.get_world_size()
         dist.all_gather_object(addresses, address)
-        specs = [GroupSpec(s, *addresses[s], self._members(s), default_backend()) for s in senders]
+        specs = [GroupSpec(s, *addresses[s], self._members(s), backend) for s in senders]
         futures = {}
         if self.is_coordinator:
             groups_json = _groups_json(specs)
@@ -141,8 +151,35 @@ class TrainerWeightSync:
             report["engines"] = ray_get_named(futures, self.timeout_s, f"weight update to version {version}")
         if send_error is not None:
             raise SyncError(f"rank {r.ctx.rank}: {send_error}")
+        self._follow_layouts(agreed_wire_layouts(report["engines"]) if self.is_coordinator else None)
         report["seconds"] = time.perf_counter() - start
         return report
+
+    def _build_plan(self) -> list[BucketSpec]:
+        r = self.rank
+        min_bytes = unpacked_min_bytes(default_backend())
+        return build_plan(r.model, r.family, r.arch, r.ctx, self.bucket_bytes, min_bytes, self.layouts)
+
+    def _follow_layouts(self, layouts: dict[str, str] | None) -> None:
+        """Plan again, on every rank, when the wire layouts the engines ask for changed (rank 0 heard them)."""
+        box = [layouts]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] != self.layouts:
+            self.layouts = box[0]
+            self.plan = self._build_plan()
+
+
+def agreed_wire_layouts(engine_reports: dict[str, dict]) -> dict[str, str]:
+    """HF name -> wire layout, for the tensors that every worker of every engine asked to receive in the same
+    layout (a broadcast reaches them all, so all must take the same bytes); from their update reports."""
+    workers = [worker for report in engine_reports.values() for worker in report.get("workers", [])]
+    if not workers:
+        return {}
+    agreed = dict(workers[0].get("wire_layouts", {}))
+    for worker in workers[1:]:
+        theirs = worker.get("wire_layouts", {})
+        agreed = {name: layout for name, layout in agreed.items() if theirs.get(name) == layout}
+    return agreed
 
 
 def _groups_json(specs: list[GroupSpec]) -> str:
@@ -151,16 +188,15 @@ def _groups_json(specs: list[GroupSpec]) -> str:
     return json.dumps([s.to_dict() for s in specs])
 
 
-def push_raw(sync: TrainerWeightSync, nbytes: int) -> float:
+def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int | None = None) -> float:
     """Benchmark baseline: broadcast `nbytes` from the first sender to every engine; wall seconds.
 
-    It goes in chunks of that sender's largest bucket, from the sender's own send buffer into the engines' own
-    receive buffers, so both ends use the warm memory the sync uses (fresh memory costs a page fault per 4 KiB).
+    One broadcast of all the bytes (or broadcasts of `chunk_bytes` one after another), from a send buffer kept
+    for it into a receive buffer each engine worker keeps for it: warm memory at both ends, as the sync's
+    buffers are (fresh memory costs a page fault per 4 KiB), and the sync's own buffers are left alone.
     """
-    from megatron_rl.parallel.groups import compute_device
-
     sender = min(b.owner for b in sync.plan)
-    chunk_bytes = max(b.nbytes for b in sync.plan if b.owner == sender)
+    chunk_bytes = min(chunk_bytes or nbytes, nbytes)
     start = time.perf_counter()
     futures = {}
     if sync.is_coordinator:
@@ -168,10 +204,24 @@ def push_raw(sync: TrainerWeightSync, nbytes: int) -> float:
             e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, sync.timeout_s) for e in sync.engines
         }
     if sync.rank.ctx.rank == sender:
-        buffer = send_buffers(chunk_bytes, compute_device()).buffers[0]
+        buffer = _raw_send_buffer(chunk_bytes)
         for offset in range(0, nbytes, chunk_bytes):
             sync.group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0).wait()
     if sync.is_coordinator:
         ray_get_named(futures, sync.timeout_s, "raw broadcast")
     dist.barrier()
     return time.perf_counter() - start
+
+
+_RAW_SEND_BUFFER: list = []
+
+
+def _raw_send_buffer(nbytes: int):
+    """The baseline's send buffer of at least `nbytes`, made once (filled, so its pages exist) and kept."""
+    import torch
+
+    from megatron_rl.parallel.groups import compute_device
+
+    if not _RAW_SEND_BUFFER or _RAW_SEND_BUFFER[0].numel() < nbytes:
+        _RAW_SEND_BUFFER[:] = [torch.ones(nbytes, dtype=torch.uint8, device=compute_device())]
+    return _RAW_SEND_BUFFER[0]

@@ -69,6 +69,17 @@ def resolve_host(host: str) -> str:
     return os.environ.get("MRL_NODE_IP") or socket.gethostbyname(socket.gethostname())
 
 
+UNPACKED_MIN_BYTES = 1 << 20
+"""On gloo, tensors of at least this many bytes travel in a broadcast of their own, from their own memory."""
+
+
+def unpacked_min_bytes(backend: str) -> int | None:
+    """The plan's `unpacked_min_bytes` for a backend. gloo (CPU): packing a tensor is a pass over its bytes on
+    the cores the transfer itself needs, dearer than a broadcast's fixed cost above 1 MiB. NCCL: None (all
+    packed), since a device copy costs far less than a kernel launch per tensor."""
+    return UNPACKED_MIN_BYTES if backend == "gloo" else None
+
+
 def default_backend() -> str:
     """NCCL when CUDA is available, else gloo."""
     return "nccl" if torch.cuda.is_available() else "gloo"

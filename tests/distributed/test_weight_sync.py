@@ -38,6 +38,10 @@ def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
     )
     _check_parity(report)
     assert report["version"] == 2
+    # The first update proved where each expert tensor lands and in what layout; the second one carried them in
+    # that layout, received straight into the running models, and the parity above holds for it.
+    first, second = report["received_in_place_per_sync"]
+    assert first == {"engine-0": 0, "engine-1": 0} and min(second.values()) > 0, report["received_in_place_per_sync"]
     for inflight in report["inflight"]:
         assert inflight["complete"] == 4, report["inflight"]
     assert sum(i["continued"] for i in report["inflight"]) > 0, report["inflight"]

@@ -8,6 +8,7 @@ DistributedOptimizer) are exercised by the train-step and resume tests in tests/
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -151,3 +152,42 @@ print(router.local_tokens_per_expert.tolist())
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[1.0, 2.0, 3.0]"
+
+
+VLLM_READER = r"""
+import json, sys, time, zmq
+from vllm.plugins import load_general_plugins
+from vllm.distributed.device_communicators import shm_broadcast
+from megatron_rl.parallel.patches import applied_vllm_patches
+load_general_plugins()  # what vLLM does in its engine-core and worker processes: runs our entry point
+reader = shm_broadcast.SpinCondition(is_reader=True, context=zmq.Context(), notify_address=sys.argv[1])
+start = time.process_time()
+deadline = time.monotonic() + 0.3
+while time.monotonic() < deadline:
+    reader.wait()  # within its busy phase: one look at the queue per call
+cpu = time.process_time() - start
+print(json.dumps({"patches": applied_vllm_patches(), "busy_loop_s": reader.busy_loop_s, "cpu_share": cpu / 0.3}))
+"""
+
+
+@pytest.mark.parametrize("in_our_engine", [True, False])
+def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
+    """vLLM's plugin loader applies the patch in an engine we started (env set), and nowhere else."""
+    pytest.importorskip("vllm")
+    from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != VLLM_PATCHES_ENV}
+    if in_our_engine:
+        env[VLLM_PATCHES_ENV] = "1"
+    address = f"ipc://{tmp_path / 'notify'}"
+    result = subprocess.run(
+        [sys.executable, "-c", VLLM_READER, address], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["busy_loop_s"] == 1  # vLLM's own waiting logic is kept
+    if in_our_engine:
+        assert out["patches"] == ["vllm_queue_waits_sleep"]
+        assert out["cpu_share"] < 0.3, out  # waiting no longer takes a core
+    else:
+        assert out["patches"] == [] and out["cpu_share"] > 0.5, out

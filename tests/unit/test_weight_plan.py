@@ -7,8 +7,27 @@ import torch
 
 from megatron_rl.models import get_family
 from megatron_rl.parallel.layout import ParallelLayout, rank_coords
-from megatron_rl.weights.buckets import BucketError, leave_a_core_to_transport, pack, unpack
-from megatron_rl.weights.plan import ALIGN, HEADER_BYTES, TensorSpec, owner_rank, plan_buckets, tensor_specs
+from megatron_rl.weights.buckets import (
+    BucketError,
+    DoubleBuffer,
+    broadcast_sources,
+    leave_a_core_to_transport,
+    pack,
+    receive_targets,
+    unpack,
+)
+from megatron_rl.weights.plan import (
+    ALIGN,
+    HEADER_BYTES,
+    ROW_BLOCKS_T16,
+    TensorSpec,
+    owner_rank,
+    plan_buckets,
+    plan_from_json,
+    plan_to_json,
+    tensor_specs,
+)
+from megatron_rl.weights.sync import agreed_wire_layouts
 
 
 def _arch(family="qwen3_moe"):
@@ -89,3 +108,99 @@ def test_a_core_is_left_to_the_transport_on_cpu_only_while_buckets_fly():
     assert torch.get_num_threads() == threads
     with leave_a_core_to_transport("meta"):
         assert torch.get_num_threads() == threads
+
+
+def _named_specs(sizes: dict[str, int]) -> list[TensorSpec]:
+    return [TensorSpec(n, (k,), "float32", 0, False) for n, k in sizes.items()]
+
+
+def test_large_tensors_travel_in_broadcasts_of_their_own():
+    # 4-byte floats: "big" tensors of 256 elements (1024 bytes) reach the 1 KiB threshold, the others do not.
+    (bucket,) = plan_buckets(_named_specs({"s1": 3, "big1": 256, "big2": 300, "s2": 5, "s3": 1}), 1 << 20, 1024)
+    slots = {s.name: s for s in bucket.slots}
+    assert [(seg.start, seg.end, seg.slot) for seg in bucket.segments] == [
+        (0, slots["big1"].offset, None),  # the header and s1
+        (slots["big1"].offset, slots["big1"].offset + 1024, 1),
+        (slots["big2"].offset, slots["big2"].offset + 1200, 2),  # the padding before it travels nowhere
+        (slots["big2"].offset + 1200, bucket.nbytes, None),  # s2 and s3
+    ]
+    assert plan_from_json(plan_to_json([bucket])) == [bucket]
+    (whole,) = plan_buckets(_named_specs({"s1": 3, "big1": 256}), 1 << 20)  # no threshold: one broadcast
+    assert whole.segments == () and [(s.start, s.end) for s in whole.broadcasts] == [(0, whole.nbytes)]
+
+
+def test_broadcast_sources_send_large_contiguous_tensors_from_their_own_memory():
+    tensors = {"s": torch.randn(3), "big": torch.randn(64, 8), "strided": torch.randn(8, 64).t(), "t": torch.randn(2)}
+    specs = [TensorSpec(n, tuple(t.shape), "float32", 0, False) for n, t in tensors.items()]
+    (bucket,) = plan_buckets(specs, 1 << 20, unpacked_min_bytes=1024)
+    sources = broadcast_sources(torch.empty(bucket.nbytes, dtype=torch.uint8), bucket, tensors, version=2)
+    by_slot = {seg.slot: src for seg, src in zip(bucket.broadcasts, sources)}
+    assert by_slot[1].data_ptr() == tensors["big"].data_ptr()  # no copy made
+    assert by_slot[2].data_ptr() != tensors["strided"].data_ptr()  # not contiguous: packed first
+    # What the broadcasts deliver into a receiver's buffer unpacks to the very tensors.
+    received = torch.zeros(bucket.nbytes + 64, dtype=torch.uint8)
+    for target, source in zip(receive_targets(received, bucket), sources, strict=True):
+        target.copy_(source)
+    out = dict(unpack(received[: bucket.nbytes], bucket, version=2))
+    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+    with pytest.raises(ValueError, match="cannot hold bucket"):
+        receive_targets(torch.empty(bucket.nbytes - 1, dtype=torch.uint8), bucket)
+
+
+class _Work:
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(self.name)
+
+
+def test_double_buffer_waits_every_broadcast_of_a_bucket_before_reuse():
+    log: list[str] = []
+    buffers = DoubleBuffer(16)
+    first = buffers.next_buffer()
+    buffers.sent([_Work(log, "a1"), _Work(log, "a2")], [torch.ones(2)])
+    second = buffers.next_buffer()
+    assert second.data_ptr() != first.data_ptr() and log == []
+    buffers.sent([_Work(log, "b1")])
+    assert buffers.next_buffer().data_ptr() == first.data_ptr() and log == ["a1", "a2"]
+    assert buffers.sources[buffers.turn] == []  # the sources of finished sends are let go
+    buffers.sent([_Work(log, "c1")])
+    buffers.wait()
+    assert log == ["a1", "a2", "b1", "c1"]  # oldest first
+
+
+def test_tensors_the_engines_asked_for_travel_alone_in_their_wire_layout():
+    tensors = {"w": torch.randn(32, 8), "odd": torch.randn(20, 8), "n": torch.randn(4)}
+    specs = [TensorSpec(n, tuple(t.shape), "float32", 0, True) for n, t in tensors.items()]
+    asked = {"w": ROW_BLOCKS_T16, "odd": ROW_BLOCKS_T16}  # 20 rows are no whole blocks of 16: stays as it is
+    (bucket,) = plan_buckets(specs, 1 << 20, unpacked_min_bytes=None, layouts=asked)
+    assert [(s.name, s.layout) for s in bucket.slots] == [("w", ROW_BLOCKS_T16), ("odd", ""), ("n", "")]
+    assert [seg.slot for seg in bucket.segments] == [None, 0, None]  # w alone, though small
+    assert plan_from_json(plan_to_json([bucket])) == [bucket]
+    sources = broadcast_sources(torch.empty(bucket.nbytes, dtype=torch.uint8), bucket, tensors, version=1)
+    wire = sources[1].view(torch.float32)
+    assert torch.equal(wire, tensors["w"].view(2, 16, 8).transpose(1, 2).reshape(-1))  # blocks of 16 rows, transposed
+    received = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    elsewhere = torch.zeros(wire.numel() * 4, dtype=torch.uint8)  # where an engine holds it in that layout
+    targets = receive_targets(received, bucket)
+    targets[1] = elsewhere
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)
+    assert torch.equal(elsewhere.view(torch.float32), wire)
+    assert [n for n, _ in unpack(received, bucket, version=1, skip={"w"})] == ["odd", "n"]
+    # Received into the bucket instead, it is put back into its own layout.
+    for target, source in zip(receive_targets(received, bucket), sources, strict=True):
+        target.copy_(source)
+    out = dict(unpack(received, bucket, version=1))
+    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+
+
+def test_wire_layouts_are_those_every_engine_worker_asked_for():
+    reports = {
+        "engine-0": {"workers": [{"wire_layouts": {"a": "t16", "b": "t16", "c": "t16"}}]},
+        "engine-1": {"workers": [{"wire_layouts": {"a": "t16", "b": "t16"}}, {"wire_layouts": {"a": "t16"}}]},
+    }
+    assert agreed_wire_layouts(reports) == {"a": "t16"}
+    assert agreed_wire_layouts({**reports, "engine-2": {"workers": [{"wire_layouts": {}}]}}) == {}
+    assert agreed_wire_layouts({}) == {}
