@@ -1,5 +1,7 @@
-"""Benchmark: one whole weight sync (gather + pack + broadcast + in-place load, engines acknowledged) against a
-plain broadcast of the same number of bytes over the same group, in the same run. Prints one JSON object.
+"""Benchmark: one whole weight sync (gather + pack + broadcast + in-place load, engines acknowledged) against one
+plain broadcast of the same number of bytes over the same group, in the same run, between warm buffers kept for
+it (`plain_*`); broadcasts of one bucket's size one after another are reported beside it (`plain_chunked_*`).
+Prints one JSON object.
 
     .venv/bin/python bench/weight_sync.py [--bucket-mb 64] [--sweep] [--layers 4 --hidden 1024]
 
@@ -51,6 +53,8 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
         "buckets": report["plan"]["buckets"],
         "bytes": nbytes,
         "sync_seconds": round(sync_s, 4),
+        # The first sync also learns, from vLLM's own copies, where each expert tensor lands and in what layout.
+        "first_sync_seconds": round(report["sync_seconds"][0], 4),
         "sync_gb_per_s": round(nbytes / sync_s / 1e9, 4),
         "plain_seconds": round(raw_s, 4),
         "plain_gb_per_s": round(nbytes / raw_s / 1e9, 4),
@@ -66,6 +70,7 @@ def _engine_phases(worker: dict) -> dict:
     """One engine worker's update, in seconds: whole, waiting for bytes, and the loader's phases."""
     keys = (
         "bucket_seconds",
+        "engine_seconds",
         "seconds",
         "wait_seconds",
         "loader_begin_s",
@@ -87,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bucket-mb", type=float, default=64)
     parser.add_argument("--sweep", action="store_true", help="also measure 8, 16, 32, 128, 256 MiB buckets")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="syncs (and baselines) measured; medians reported")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=600)

@@ -559,7 +559,8 @@ def plan_engines(cfg: RunConfig, arch: ModelArch) -> EnginePlan:
     )
     memory = int(cfg.cluster.memory_gb * GB)
     budget = int(r.gpu_memory_utilization * memory)
-    overhead = ENGINE_OVERHEAD_BYTES + 2 * cfg.sync.bucket_mb * 2**20  # double-buffered receive buckets
+    # The receiver holds RECEIVE_BUFFERS (3) buckets: one being loaded, two arriving (weights/receiver.py).
+    overhead = ENGINE_OVERHEAD_BYTES + 3 * cfg.sync.bucket_mb * 2**20
     room = budget - weights - overhead
     per_token = kv_bytes_per_token(arch, r.engine_tp, dtype_bytes)
     tokens = max(0, room) // per_token

@@ -229,8 +229,9 @@ class SyncConfig(Section):
 
     transport: Literal["auto", "nccl", "gloo"] = "auto"
     """Broadcast backend: NCCL on GPU, gloo on CPU (auto picks)."""
-    bucket_mb: int = Field(256, ge=1)
-    """Bucket size in MiB."""
+    bucket_mb: int = Field(64, ge=1)
+    """Bucket size in MiB: the trainer holds 2 and each engine worker 3. 64 (the quickstart's, `verify sync`'s
+    and `bench/weight_sync.py`'s) is what CPU runs were measured at; the GPU configs set 512-1024."""
     timeout_s: float = Field(300.0, gt=0)
     """Deadline of one whole sync; an engine that does not join or dies fails it, named."""
     inflight: Literal["pause", "abort"] = "pause"

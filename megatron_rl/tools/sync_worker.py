@@ -114,7 +114,9 @@ def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
         pushed = sync.push(version)
         sync_s.append(pushed["seconds"])
         if rank.ctx.rank == 0:
-            engine_side.append([w for r in pushed["engines"].values() for w in r["workers"]])
+            engine_side.append(
+                [{**w, "engine_seconds": r["seconds"]} for r in pushed["engines"].values() for w in r["workers"]]
+            )
         raw_s.append(push_raw(sync, setup["bytes"]))
         chunked_s.append(push_raw(sync, setup["bytes"], chunk))
     return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "chunked_seconds": chunked_s,

@@ -89,13 +89,6 @@ def broadcast_sources(
     return [own[seg.slot] if seg.slot in own else view[seg.start : seg.end] for seg in bucket.broadcasts]
 
 
-def receive_targets(buffer: torch.Tensor, bucket: BucketSpec) -> list[torch.Tensor]:
-    """The ranges of a receive `buffer` that the bucket's broadcasts fill, in order."""
-    if buffer.dtype != torch.uint8 or buffer.numel() < bucket.nbytes:
-        raise ValueError(_too_small(buffer, bucket))
-    return [buffer[seg.start : seg.end] for seg in bucket.broadcasts]
-
-
 def _header_written(buffer: torch.Tensor, bucket: BucketSpec, version: int) -> torch.Tensor:
     if buffer.dtype != torch.uint8 or buffer.numel() < bucket.nbytes:
         raise ValueError(_too_small(buffer, bucket))

@@ -12,11 +12,13 @@ import torch
 
 from megatron_rl.parallel.groups import compute_device
 from megatron_rl.weights import buckets as bucket_io
-from megatron_rl.weights.plan import BucketSpec, plan_from_json
+from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, plan_from_json
 from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
 
 RECEIVE_BUFFERS = 3
 """Buckets held at once by a receiving worker: one being loaded, two arriving (memory: 3 x the largest bucket)."""
+MAX_BUCKETS_AHEAD = 8
+"""Most buckets whose receives are posted at once (those received straight into the model take no buffer)."""
 
 
 class WeightReceiver:
@@ -63,27 +65,33 @@ class WeightReceiver:
         straight into the running model), seconds waiting for bytes, and per bucket the seconds waiting for it
         and loading it.
 
-        Receives are posted `len(buffers) - 1` buckets ahead of the one being loaded, so the transfer goes on
-        while a slow bucket (the first one: every dense layer, repacked as it completes) is loaded.
+        Receives are posted ahead of the bucket being loaded, so the transfer goes on while a slow bucket (the
+        first one: every dense layer, repacked as it completes) is loaded: as many buckets as there are free
+        buffers, and any number (up to `MAX_BUCKETS_AHEAD`) of those that land wholly in the running model.
         """
         received = tensors = in_place = 0
         wait_s = 0.0
         per_bucket = []
-        pending = collections.deque(
-            self._post(bucket, buffers[i % len(buffers)], loader) for i, bucket in enumerate(plan[: len(buffers) - 1])
-        )
-        for i, bucket in enumerate(plan):
-            buffer, works, group, placed = pending.popleft()
+        free = collections.deque(buffers)
+        pending: collections.deque = collections.deque()
+        posted = 0
+        for bucket in plan:
+            while posted < len(plan) and len(pending) < MAX_BUCKETS_AHEAD:
+                entry = self._post(plan[posted], free, loader)
+                if entry is None:  # it needs a buffer and every buffer is taken
+                    break
+                pending.append(entry)
+                posted += 1
+            view, works, group, placed, owned = pending.popleft()
             wait_start = time.perf_counter()
             for work in works:
                 wait(work, f"bucket {bucket.index}", group)
             wait_s += time.perf_counter() - wait_start
-            ahead = i + len(buffers) - 1
-            if ahead < len(plan):
-                pending.append(self._post(plan[ahead], buffers[ahead % len(buffers)], loader))
             load_start = time.perf_counter()
-            named = bucket_io.unpack(buffer, bucket, version, skip=placed)
+            named = bucket_io.unpack(view, bucket, version, skip=placed)
             tensors += loader.load(named, placed=placed) if placed else loader.load(named)
+            if owned is not None:
+                free.append(owned)  # the loader copied everything out of it
             in_place += len(placed)
             per_bucket.append((round(load_start - wait_start, 4), round(time.perf_counter() - load_start, 4)))
             received += bucket.nbytes
@@ -102,18 +110,20 @@ class WeightReceiver:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(RECEIVE_BUFFERS)]
         return self._buffers
 
-    def _post(self, bucket: BucketSpec, buffer: torch.Tensor, loader) -> tuple:
-        """Start receiving one bucket (each of its broadcasts) into the front of `buffer`: (bucket view, works,
-        group, names of the tensors received straight into the running model instead).
+    def _post(self, bucket: BucketSpec, free: collections.deque, loader) -> tuple | None:
+        """Start receiving one bucket (each of its broadcasts): (bucket view, works, group, names of the tensors
+        received straight into the running model, the buffer it took from `free` or None); None when it needs a
+        buffer and `free` is empty.
 
         A tensor that arrives in a wire layout goes straight to where the loader says the running model holds
         it in that layout (`direct_destination`), which saves the loader a pass over its bytes; otherwise into
-        the buffer, from which `unpack` puts it back into its own layout.
+        a buffer, from which `unpack` puts it back into its own layout. A bucket whose every tensor goes
+        straight needs only room for its header, which it gets on its own.
         """
         group = self.groups.get(bucket.owner)
         if group is None:
             raise TransportError(f"no weight group for sender {bucket.owner} (bucket {bucket.index})")
-        targets = bucket_io.receive_targets(buffer, bucket)
+        targets: list[torch.Tensor | None] = [None] * len(bucket.broadcasts)
         placed = []
         destination_of = getattr(loader, "direct_destination", None)
         for i, segment in enumerate(bucket.broadcasts):
@@ -124,8 +134,20 @@ class WeightReceiver:
             if destination is not None and destination.numel() == segment.nbytes:
                 targets[i] = destination
                 placed.append(slot.name)
+        needed = max((seg.end for seg, target in zip(bucket.broadcasts, targets) if target is None), default=0)
+        owned = None
+        if needed <= HEADER_BYTES:
+            view = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=compute_device())
+        elif not free:
+            return None
+        else:
+            owned = free.popleft()
+            view = owned[: bucket.nbytes]  # buffers are made to hold the plan's largest bucket
+        for i, segment in enumerate(bucket.broadcasts):
+            if targets[i] is None:
+                targets[i] = view[segment.start : segment.end]
         works = [group.broadcast(target, src=0) for target in targets]
-        return buffer[: bucket.nbytes], works, group, placed
+        return view, works, group, placed, owned
 
     def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int) -> dict:
         """Baseline for benchmarks: receive `nbytes` from `sender` in broadcasts of `chunk_bytes`, loading nothing.

@@ -71,7 +71,7 @@ class TrainerWeightSync:
         self,
         rank: TrainerRank,
         engines: list[EngineHandle],
-        bucket_bytes: int = 256 << 20,
+        bucket_bytes: int = 64 << 20,
         timeout_s: float = 300.0,
         host: str = "127.0.0.1",
         inflight: str = "keep",

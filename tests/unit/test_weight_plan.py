@@ -13,7 +13,6 @@ from megatron_rl.weights.buckets import (
     broadcast_sources,
     leave_a_core_to_transport,
     pack,
-    receive_targets,
     unpack,
 )
 from megatron_rl.weights.plan import (
@@ -139,12 +138,10 @@ def test_broadcast_sources_send_large_contiguous_tensors_from_their_own_memory()
     assert by_slot[2].data_ptr() != tensors["strided"].data_ptr()  # not contiguous: packed first
     # What the broadcasts deliver into a receiver's buffer unpacks to the very tensors.
     received = torch.zeros(bucket.nbytes + 64, dtype=torch.uint8)
-    for target, source in zip(receive_targets(received, bucket), sources, strict=True):
-        target.copy_(source)
+    for segment, source in zip(bucket.broadcasts, sources, strict=True):
+        received[segment.start : segment.end].copy_(source)
     out = dict(unpack(received[: bucket.nbytes], bucket, version=2))
     assert all(torch.equal(out[n], t) for n, t in tensors.items())
-    with pytest.raises(ValueError, match="cannot hold bucket"):
-        receive_targets(torch.empty(bucket.nbytes - 1, dtype=torch.uint8), bucket)
 
 
 class _Work:
@@ -183,15 +180,15 @@ def test_tensors_the_engines_asked_for_travel_alone_in_their_wire_layout():
     assert torch.equal(wire, tensors["w"].view(2, 16, 8).transpose(1, 2).reshape(-1))  # blocks of 16 rows, transposed
     received = torch.zeros(bucket.nbytes, dtype=torch.uint8)
     elsewhere = torch.zeros(wire.numel() * 4, dtype=torch.uint8)  # where an engine holds it in that layout
-    targets = receive_targets(received, bucket)
+    targets = [received[seg.start : seg.end] for seg in bucket.broadcasts]
     targets[1] = elsewhere
     for target, source in zip(targets, sources, strict=True):
         target.copy_(source)
     assert torch.equal(elsewhere.view(torch.float32), wire)
     assert [n for n, _ in unpack(received, bucket, version=1, skip={"w"})] == ["odd", "n"]
     # Received into the bucket instead, it is put back into its own layout.
-    for target, source in zip(receive_targets(received, bucket), sources, strict=True):
-        target.copy_(source)
+    for segment, source in zip(bucket.broadcasts, sources, strict=True):
+        received[segment.start : segment.end].copy_(source)
     out = dict(unpack(received, bucket, version=1))
     assert all(torch.equal(out[n], t) for n, t in tensors.items())
 
