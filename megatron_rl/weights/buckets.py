@@ -61,6 +61,17 @@ def to_wire_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
     return tensor.reshape(rows // 16, 16, cols).transpose(1, 2)
 
 
+def from_wire_layout(wire: torch.Tensor, shape: tuple[int, ...], layout: str) -> torch.Tensor:
+    """The inverse of `to_wire_layout`: flat elements received in `layout` as a tensor of `shape` in its own
+    layout (a view for "", else a copy)."""
+    if not layout:
+        return wire.reshape(shape)
+    if layout != ROW_BLOCKS_T16:
+        raise ValueError(f"unknown wire layout {layout!r}")
+    rows, cols = shape
+    return wire.view(rows // 16, cols, 16).transpose(1, 2).reshape(rows, cols)
+
+
 def _write_slot(view: torch.Tensor, slot: Slot, tensor: torch.Tensor) -> None:
     """Copy `tensor` into its slot of a bucket view, in the slot's wire layout."""
     target = view[slot.offset : slot.offset + slot.nbytes]
@@ -125,12 +136,9 @@ def unpack(
 
 def _from_wire(typed: torch.Tensor, slot: Slot) -> torch.Tensor:
     """A slot's received elements as its tensor: a view, or for a wire layout a copy in the tensor's own."""
-    if not slot.layout:
-        return typed.reshape(slot.shape)
-    if slot.layout != ROW_BLOCKS_T16:
+    if slot.layout not in ("", ROW_BLOCKS_T16):
         raise BucketError(f"{slot.name}: unknown wire layout {slot.layout!r}")
-    rows, cols = slot.shape
-    return typed.view(rows // 16, cols, 16).transpose(1, 2).reshape(rows, cols)
+    return from_wire_layout(typed, slot.shape, slot.layout)
 
 
 class DoubleBuffer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from megatron_rl.parallel.groups import compute_device
 from megatron_rl.weights import buckets as bucket_io
 from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, plan_from_json
 from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
+
+if TYPE_CHECKING:
+    from megatron_rl.weights.vllm_loader import InPlaceWeightLoader
 
 RECEIVE_BUFFERS = 3
 """Buckets held at once by a receiving worker: one being loaded, two arriving (memory: 3 x the largest bucket)."""
@@ -37,7 +41,7 @@ class WeightReceiver:
             self.groups[spec.sender] = WeightGroup(spec, member_rank, timeout_s).connect()
         return {"groups": sorted(self.groups), "rank": member_rank}
 
-    def receive(self, version: int, plan_json: str, loader) -> dict:
+    def receive(self, version: int, plan_json: str, loader: InPlaceWeightLoader) -> dict:
         """Receive all buckets of update `version` in plan order; load them; finish the loader.
 
         Raises on a bucket that does not match the plan (BucketError) or a failed transfer (TransportError):
@@ -55,12 +59,13 @@ class WeightReceiver:
         finish_start = time.perf_counter()
         loader.finish()
         end = time.perf_counter()
-        layouts = loader.wire_layouts() if hasattr(loader, "wire_layouts") else {}
         phases = getattr(loader, "timings", {})
         return {"version": version, **stats, "seconds": end - start, "finish_seconds": end - finish_start,
-                "wire_layouts": layouts, **{f"loader_{k}": v for k, v in phases.items()}}  # fmt: skip
+                "wire_layouts": loader.wire_layouts(), **{f"loader_{k}": v for k, v in phases.items()}}  # fmt: skip
 
-    def _receive_buckets(self, plan: list[BucketSpec], buffers: list[torch.Tensor], version: int, loader) -> dict:
+    def _receive_buckets(
+        self, plan: list[BucketSpec], buffers: list[torch.Tensor], version: int, loader: InPlaceWeightLoader
+    ) -> dict:
         """Receive and load every bucket in order; returns bytes, tensors loaded (`in_place` of them received
         straight into the running model), seconds waiting for bytes, and per bucket the seconds waiting for it
         and loading it.
@@ -89,7 +94,7 @@ class WeightReceiver:
             wait_s += time.perf_counter() - wait_start
             load_start = time.perf_counter()
             named = bucket_io.unpack(view, bucket, version, skip=placed)
-            tensors += loader.load(named, placed=placed) if placed else loader.load(named)
+            tensors += loader.load(named, placed=placed)
             if owned is not None:
                 free.append(owned)  # the loader copied everything out of it
             in_place += len(placed)
@@ -110,7 +115,7 @@ class WeightReceiver:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(RECEIVE_BUFFERS)]
         return self._buffers
 
-    def _post(self, bucket: BucketSpec, free: collections.deque, loader) -> tuple | None:
+    def _post(self, bucket: BucketSpec, free: collections.deque, loader: InPlaceWeightLoader) -> tuple | None:
         """Start receiving one bucket (each of its broadcasts): (bucket view, works, group, names of the tensors
         received straight into the running model, the buffer it took from `free` or None); None when it needs a
         buffer and `free` is empty.
@@ -125,12 +130,11 @@ class WeightReceiver:
             raise TransportError(f"no weight group for sender {bucket.owner} (bucket {bucket.index})")
         targets: list[torch.Tensor | None] = [None] * len(bucket.broadcasts)
         placed = []
-        destination_of = getattr(loader, "direct_destination", None)
         for i, segment in enumerate(bucket.broadcasts):
             slot = bucket.slots[segment.slot] if segment.slot is not None else None
-            if slot is None or not slot.layout or destination_of is None:
+            if slot is None or not slot.layout:
                 continue
-            destination = destination_of(slot.name, slot.layout, slot.shape, slot.dtype)
+            destination = loader.direct_destination(slot.name, slot.layout, slot.shape, slot.dtype)
             if destination is not None and destination.numel() == segment.nbytes:
                 targets[i] = destination
                 placed.append(slot.name)
