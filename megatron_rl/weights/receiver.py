@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.parallel.groups import compute_device
 from megatron_rl.weights import buckets as bucket_io
-from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, plan_from_json
+from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, Slot, plan_from_json
 from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
 
 if TYPE_CHECKING:
@@ -61,7 +61,8 @@ class WeightReceiver:
         end = time.perf_counter()
         phases = getattr(loader, "timings", {})
         return {"version": version, **stats, "seconds": end - start, "finish_seconds": end - finish_start,
-                "wire_layouts": loader.wire_layouts(), **{f"loader_{k}": v for k, v in phases.items()}}  # fmt: skip
+                "wire_layouts": loader.wire_layouts(), "wire_places": loader.wire_places(),
+                **{f"loader_{k}": v for k, v in phases.items()}}  # fmt: skip
 
     def _receive_buckets(
         self, plan: list[BucketSpec], buffers: list[torch.Tensor], version: int, loader: InPlaceWeightLoader
@@ -132,13 +133,11 @@ class WeightReceiver:
         targets: list[torch.Tensor | None] = [None] * len(bucket.broadcasts)
         placed = []
         for i, segment in enumerate(bucket.broadcasts):
-            if segment.slot is None:
-                continue
-            slot = bucket.slots[segment.slot]
-            destination = loader.direct_destination(slot.name, slot.layout, slot.shape, slot.dtype)
+            slots = [bucket.slots[k] for k in segment.slot_indices]
+            destination = _direct_span(loader, slots) if slots else None
             if destination is not None and destination.numel() == segment.nbytes:
                 targets[i] = destination
-                placed.append(slot.name)
+                placed += [slot.name for slot in slots]
         needed = max((seg.end for seg, target in zip(bucket.broadcasts, targets) if target is None), default=0)
         owned = None
         if needed <= HEADER_BYTES:
@@ -168,3 +167,25 @@ class WeightReceiver:
         for offset in range(0, nbytes, chunk_bytes):
             wait(group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0), "raw chunk", group)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+
+def _direct_span(loader: InPlaceWeightLoader, slots: list[Slot]) -> torch.Tensor | None:
+    """Where the loader takes these consecutive slots straight (`direct_destination`), as one flat uint8 span,
+    when each lies right after the previous one in the same memory; else None (they come through a buffer)."""
+    first = None
+    for slot in slots:
+        destination = loader.direct_destination(slot.name, slot.layout, slot.shape, slot.dtype)
+        if destination is None:
+            return None
+        if first is None:
+            first, end = destination, destination.data_ptr() + destination.numel()
+        elif (
+            destination.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or destination.data_ptr() != end
+        ):
+            return None
+        else:
+            end += destination.numel()
+    if first is None:
+        return None
+    return first.as_strided((end - first.data_ptr(),), (1,))

@@ -57,12 +57,14 @@ def build_plan(
     bucket_bytes: int,
     unpacked_min_bytes: int | None = None,
     layouts: dict[str, str] | None = None,
+    places: dict[str, tuple[str, int]] | None = None,
 ) -> list[BucketSpec]:
     """The same bucket plan on every trainer rank (specs all-gathered over the trainer's default group)."""
     mine = owned_tensor_specs(model, family, arch, ctx)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return plan_buckets(list(itertools.chain.from_iterable(everyone)), bucket_bytes, unpacked_min_bytes, layouts)
+    specs = list(itertools.chain.from_iterable(everyone))
+    return plan_buckets(specs, bucket_bytes, unpacked_min_bytes, layouts, places)
 
 
 _SEND_BUFFERS: dict[tuple[int, str], bucket_io.DoubleBuffer] = {}

@@ -86,6 +86,8 @@ class TrainerWeightSync:
         self.group: WeightGroup | None = None
         self.layouts: dict[str, str] = {}
         """HF name -> the wire layout every engine asked for (see `agreed_wire_layouts`); the plan follows it."""
+        self.places: dict[str, tuple[str, int]] = {}
+        """HF name -> where every engine holds it in that layout (see `agreed_wire_places`); the plan follows it."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -151,34 +153,50 @@ class TrainerWeightSync:
             report["engines"] = ray_get_named(futures, self.timeout_s, f"weight update to version {version}")
         if send_error is not None:
             raise SyncError(f"rank {r.ctx.rank}: {send_error}")
-        self._follow_layouts(agreed_wire_layouts(report["engines"]) if self.is_coordinator else None)
+        agreed = None
+        if self.is_coordinator:
+            agreed = (agreed_wire_layouts(report["engines"]), agreed_wire_places(report["engines"]))
+        self._follow_engines(agreed)
         report["seconds"] = time.perf_counter() - start
         return report
 
     def _build_plan(self) -> list[BucketSpec]:
         r = self.rank
         min_bytes = unpacked_min_bytes(default_backend())
-        return build_plan(r.model, r.family, r.arch, r.ctx, self.bucket_bytes, min_bytes, self.layouts)
+        return build_plan(r.model, r.family, r.arch, r.ctx, self.bucket_bytes, min_bytes, self.layouts, self.places)
 
-    def _follow_layouts(self, layouts: dict[str, str] | None) -> None:
-        """Plan again, on every rank, when the wire layouts the engines ask for changed (rank 0 heard them)."""
-        box = [layouts]
+    def _follow_engines(self, agreed: tuple[dict, dict] | None) -> None:
+        """Plan again, on every rank, when the wire layouts or places the engines reported changed (rank 0
+        heard them: `agreed` is (layouts, places) there)."""
+        box = [agreed]
         dist.broadcast_object_list(box, src=0)
-        if box[0] != self.layouts:
-            self.layouts = box[0]
+        layouts, places = box[0]
+        if (layouts, places) != (self.layouts, self.places):
+            self.layouts, self.places = layouts, places
             self.plan = self._build_plan()
 
 
 def agreed_wire_layouts(engine_reports: dict[str, dict]) -> dict[str, str]:
     """HF name -> wire layout, for the tensors that every worker of every engine asked to receive in the same
     layout (a broadcast reaches them all, so all must take the same bytes); from their update reports."""
+    return _agreed(engine_reports, "wire_layouts")
+
+
+def agreed_wire_places(engine_reports: dict[str, dict]) -> dict[str, tuple[str, int]]:
+    """HF name -> (parameter, byte offset), for the tensors that every worker of every engine holds at the same
+    place in its wire layout (so that tensors lying back to back there can share a broadcast)."""
+    return {name: tuple(place) for name, place in _agreed(engine_reports, "wire_places").items()}
+
+
+def _agreed(engine_reports: dict[str, dict], key: str) -> dict:
+    """The entries of `key` that every worker of every engine reported with the same value."""
     workers = [worker for report in engine_reports.values() for worker in report.get("workers", [])]
     if not workers:
         return {}
-    agreed = dict(workers[0].get("wire_layouts", {}))
+    agreed = dict(workers[0].get(key, {}))
     for worker in workers[1:]:
-        theirs = worker.get("wire_layouts", {})
-        agreed = {name: layout for name, layout in agreed.items() if theirs.get(name) == layout}
+        theirs = worker.get(key, {})
+        agreed = {name: value for name, value in agreed.items() if theirs.get(name) == value}
     return agreed
 
 

@@ -161,6 +161,11 @@ class _Route:
     def rows(self) -> int:
         return self.shape[0]
 
+    def byte_offset(self, packed: torch.Tensor) -> int:
+        """Where this route's rows start in a (packed) [experts, rows, cols] or [rows, cols] tensor, in bytes."""
+        rows, cols = packed.shape[-2:]
+        return (self.expert * rows + self.row0) * cols * packed.element_size()
+
     def packed_rows(self, packed: torch.Tensor) -> torch.Tensor:
         """This route's rows of a (packed) [experts, rows, cols] or [rows, cols] tensor, as [1, rows, cols] of its
         storage."""
@@ -432,6 +437,17 @@ class InPlaceWeightLoader:
         """HF name -> the wire layout in which this loader takes that tensor straight into the running model
         (`direct_destination`): the expert tensors of layers whose prepack is proven to be that layout."""
         return {n: ROW_BLOCKS_T16 for n, r in self._routes.items() if r.module_name in self._transposed_layers}
+
+    def wire_places(self) -> dict[str, tuple[str, int]]:
+        """HF name -> (parameter, byte offset) where each tensor of `wire_layouts` lies in the running model
+        (between updates): the trainer orders them so, and sends those that lie back to back in one broadcast."""
+        layouts = self.wire_layouts()
+        places = {}
+        for name, route in self._routes.items():
+            if name in layouts:
+                live = self.model.get_submodule(route.module_name)._parameters[route.param_name]
+                places[name] = (f"{route.module_name}.{route.param_name}", route.byte_offset(live))
+        return places
 
     def direct_destination(self, name: str, layout: str, shape: Sequence[int], dtype: str) -> torch.Tensor | None:
         """Where tensor `name`, arriving in wire `layout`, may be received straight during an update (flat uint8

@@ -19,6 +19,7 @@ from megatron_rl.weights.plan import (
     ALIGN,
     HEADER_BYTES,
     ROW_BLOCKS_T16,
+    Slot,
     TensorSpec,
     owner_rank,
     plan_buckets,
@@ -26,7 +27,7 @@ from megatron_rl.weights.plan import (
     plan_to_json,
     tensor_specs,
 )
-from megatron_rl.weights.sync import agreed_wire_layouts
+from megatron_rl.weights.sync import agreed_wire_layouts, agreed_wire_places
 
 
 def _arch(family="qwen3_moe"):
@@ -218,3 +219,68 @@ def test_broadcast_sources_are_ready_one_at_a_time_and_checked_before_the_first(
     wrong = {**tensors, "b": torch.randn(5)}
     with pytest.raises(ValueError, match="b: got"):
         next(broadcast_sources(torch.zeros(bucket.nbytes, dtype=torch.uint8), bucket, wrong, version=3))
+
+
+def test_tensors_lying_back_to_back_in_the_engines_share_a_broadcast(monkeypatch):
+    from megatron_rl.weights import plan as plan_module
+
+    tensors = {n: torch.randn(32, 8) for n in ("a", "c", "b", "d", "e")}
+    tensors["n"] = torch.randn(4)
+    specs = [TensorSpec(n, tuple(t.shape), "float32", 0, True) for n, t in tensors.items()]
+    layouts = {n: ROW_BLOCKS_T16 for n in ("a", "b", "c", "d", "e")}
+    size = 32 * 8 * 4
+    places = {"a": ("w13", 0), "b": ("w13", size), "d": ("w13", 2 * size), "c": ("w2", 0), "e": ("w2", 5 * size)}
+    monkeypatch.setattr(plan_module, "MERGED_MAX_BYTES", 2 * size)
+    (bucket,) = plan_buckets(specs, 1 << 20, unpacked_min_bytes=None, layouts=layouts, places=places)
+    # Unplaced tensors first, then as they lie in the engines; the bucket is no larger for it.
+    assert [s.name for s in bucket.slots] == ["n", "a", "b", "d", "c", "e"]
+    (unordered,) = plan_buckets(specs, 1 << 20, unpacked_min_bytes=None, layouts=layouts)
+    assert bucket.nbytes == unordered.nbytes
+    # a+b back to back (the cap stops d joining them), d alone, c and e not adjacent in w2.
+    assert [(seg.slot, seg.count) for seg in bucket.segments] == [(None, 1), (1, 2), (3, 1), (4, 1), (5, 1)]
+    assert plan_from_json(plan_to_json([bucket])) == [bucket]
+    sources = list(broadcast_sources(torch.empty(bucket.nbytes, dtype=torch.uint8), bucket, tensors, version=1))
+    merged = sources[1].view(torch.float32)
+    assert torch.equal(merged[: 32 * 8], tensors["a"].view(2, 16, 8).transpose(1, 2).reshape(-1))
+    assert torch.equal(merged[32 * 8 :], tensors["b"].view(2, 16, 8).transpose(1, 2).reshape(-1))
+    received = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    for segment, source in zip(bucket.broadcasts, sources, strict=True):
+        received[segment.start : segment.end].copy_(source)
+    out = dict(unpack(received, bucket, version=1))
+    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+
+
+def test_engines_agree_on_places_only_where_every_worker_has_the_same():
+    reports = {
+        "engine-0": {"workers": [{"wire_places": {"a": ("w13", 0), "b": ("w13", 64)}}]},
+        "engine-1": {"workers": [{"wire_places": {"a": ("w13", 0), "b": ("w13", 128)}}]},
+    }
+    assert agreed_wire_places(reports) == {"a": ("w13", 0)}
+
+
+class _SpanLoader:
+    """Hands out chosen direct destinations (None for names it has none for)."""
+
+    def __init__(self, destinations: dict[str, torch.Tensor]):
+        self.destinations = destinations
+
+    def direct_destination(self, name, layout, shape, dtype):
+        return self.destinations.get(name)
+
+
+def test_a_shared_broadcast_is_received_straight_only_into_memory_back_to_back():
+    from megatron_rl.weights.receiver import _direct_span
+
+    memory, other = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    slots = [Slot(n, (16, 8), "float32", 64 + 512 * i, 512, ROW_BLOCKS_T16) for i, n in enumerate("abc")]
+
+    def at(buffer, *offsets):
+        return _SpanLoader({n: buffer[o : o + 512] for n, o in zip("abc", offsets) if o is not None})
+
+    span = _direct_span(at(memory, 1024, 1536, 2048), slots)
+    assert span.data_ptr() == memory[1024:].data_ptr() and span.numel() == 1536
+    assert _direct_span(at(memory, 1024, 2048, 2560), slots) is None  # a gap
+    assert _direct_span(at(memory, 1024, None, 2048), slots) is None  # b has no place
+    mixed = at(memory, 1024, None, 2048)
+    mixed.destinations["b"] = other[1536:2048]
+    assert _direct_span(mixed, slots) is None  # another tensor's memory
