@@ -32,6 +32,7 @@ class WeightReceiver:
         self.groups: dict[int, WeightGroup] = {}
         self._buffers: list[torch.Tensor] = []
         self._raw_buffer: torch.Tensor | None = None
+        self._plan_json, self._plan = "", []
 
     def join(self, groups_json: str, member_rank: int, timeout_s: float) -> dict:
         """Join every sender's group as `member_rank` (the same rank in each group)."""
@@ -51,7 +52,7 @@ class WeightReceiver:
         if not self.groups:
             raise TransportError("receive before joining the weight groups")
         start = time.perf_counter()
-        plan = plan_from_json(plan_json)
+        plan = self._plan_of(plan_json)
         buffers = self._buffers_for(max((b.nbytes for b in plan), default=0))
         loader.begin_update()  # a fresh start also after an update that failed half-way
         with bucket_io.leave_a_core_to_transport(buffers[0].device if buffers else "cpu"):
@@ -103,6 +104,12 @@ class WeightReceiver:
             received += bucket.nbytes
         return {"bytes": received, "tensors": tensors, "in_place": in_place, "wait_seconds": wait_s,
                 "bucket_seconds": per_bucket}  # fmt: skip
+
+    def _plan_of(self, plan_json: str) -> list[BucketSpec]:
+        """The plan in `plan_json`, parsed once while the trainer keeps sending the same one."""
+        if plan_json != self._plan_json:
+            self._plan, self._plan_json = plan_from_json(plan_json), plan_json
+        return self._plan
 
     def _buffers_for(self, nbytes: int) -> list[torch.Tensor]:
         """`RECEIVE_BUFFERS` receive buffers of at least `nbytes`, kept between updates.

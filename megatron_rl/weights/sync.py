@@ -88,6 +88,7 @@ class TrainerWeightSync:
         """HF name -> the wire layout every engine asked for (see `agreed_wire_layouts`); the plan follows it."""
         self.places: dict[str, tuple[str, int]] = {}
         """HF name -> where every engine holds it in that layout (see `agreed_wire_places`); the plan follows it."""
+        self._json, self._json_of = "", None
 
     @property
     def is_coordinator(self) -> bool:
@@ -136,7 +137,7 @@ class TrainerWeightSync:
         start = time.perf_counter()
         futures = {}
         if self.is_coordinator:
-            plan_json = plan_to_json(self.plan)
+            plan_json = self._plan_json()
             for engine in self.engines:
                 futures[engine.name] = engine.actor.update_weights.remote(
                     version, plan_json, self.inflight, self.timeout_s
@@ -159,6 +160,12 @@ class TrainerWeightSync:
         self._follow_engines(agreed)
         report["seconds"] = time.perf_counter() - start
         return report
+
+    def _plan_json(self) -> str:
+        """The plan as the engines take it, made once per plan (3 ms at 135 tensors, before the first send)."""
+        if self._json_of is not self.plan:
+            self._json, self._json_of = plan_to_json(self.plan), self.plan
+        return self._json
 
     def _build_plan(self) -> list[BucketSpec]:
         r = self.rank
