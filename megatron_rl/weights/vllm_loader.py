@@ -32,8 +32,12 @@ Two paths, chosen at construction:
   moreover shown to be a transpose of 16-row blocks (`_block_transpose`, about three times faster than
   vLLM's op), the loader does that instead, and it asks for such tensors in that wire layout
   (`wire_layouts`): the trainer then packs them so, and the receiver puts them straight into the live
-  packed rows (`direct_destination`), so the engine makes no pass over them at all. Unsharded engines only:
-  under tensor parallel vLLM slices each expert tensor, which is no whole-tensor route. `finish()` then
+  packed rows (`direct_destination`), so the engine makes no pass over them at all; it also says where each
+  lies (`wire_places`), so that the trainer sends those lying back to back in one broadcast. Dense layers learn
+  routes too (a whole tensor copied into rows of their 2-D staging parameter, as for q/k/v in a fused
+  qkv_proj): later updates copy such a tensor there, or have it received there, without vLLM's loaders, and
+  vLLM still rebuilds the layer's kernel handle from the staging parameter. Unsharded engines only: under
+  tensor parallel vLLM slices each tensor, which is no whole-tensor route. `finish()` then
   processes the layers that kept their weight (embedding, lm_head: their CPU kernel handle must be rebuilt)
   and the attention layers.
 
