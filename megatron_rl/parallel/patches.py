@@ -398,7 +398,8 @@ def _patch_vllm_queue_waits_sleep() -> None:
     the engine core so spun on one of these machines' two cores for the whole update (82% of a core, from
     per-thread /proc times during `bench/weight_sync.py`), and between generation steps the spinning takes
     the cores the trainer and the transfer need. Each look now sleeps instead of yielding, 0.2 ms at first and
-    longer the longer the wait has lasted (`vllm_poll_pause`: 2% of it, at most 2 ms), so a decode step of a few
+    longer the longer the wait has lasted since the first look after the last message read (`vllm_poll_pause`:
+    2% of it, at most 2 ms), so a decode step of a few
     milliseconds is answered within 0.2 ms and a 0.3 s update takes about 300 looks, not 1,500 (the engine core
     took 15% of a core during updates at a fixed 0.2 ms); vLLM's own waiting logic is kept (busy for 1 s, then
     a zmq notification). Readers with no busy phase at all (busy_loop_s=0, tried
@@ -411,16 +412,23 @@ def _patch_vllm_queue_waits_sleep() -> None:
 
     from vllm.distributed.device_communicators import shm_broadcast
 
-    streak = threading.local()  # when this thread's current wait began, and when its last look ended
+    streak = threading.local()  # when this thread's first look since it last read a message was
+    record_read = shm_broadcast.SpinCondition.record_read
 
     def sleep_a_little() -> None:
         now = time.monotonic()
-        if now - getattr(streak, "last", float("-inf")) > VLLM_WAIT_POLL_MAX_S:  # not the same wait's next look
+        if getattr(streak, "began", None) is None:
             streak.began = now
         time.sleep(vllm_poll_pause(now - streak.began))
-        streak.last = time.monotonic()
+
+    def record_read_and_look_promptly_again(self) -> None:
+        # A wait lasts from the first look after a read: back-to-back decode steps must not add up to one long
+        # wait (they did when a wait was told apart by the gap between looks, and every step then waited 2 ms).
+        streak.began = None
+        record_read(self)
 
     shm_broadcast.sched_yield = sleep_a_little
+    shm_broadcast.SpinCondition.record_read = record_read_and_look_promptly_again
 
 
 def applied_vllm_patches() -> list[str]:

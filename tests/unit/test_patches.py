@@ -161,12 +161,19 @@ from vllm.distributed.device_communicators import shm_broadcast
 from megatron_rl.parallel.patches import applied_vllm_patches
 load_general_plugins()  # what vLLM does in its engine-core and worker processes: runs our entry point
 reader = shm_broadcast.SpinCondition(is_reader=True, context=zmq.Context(), notify_address=sys.argv[1])
+pauses, real_sleep = [], time.sleep
+time.sleep = lambda s: (pauses.append(s), real_sleep(s))[1]
 start = time.process_time()
 deadline = time.monotonic() + 0.3
 while time.monotonic() < deadline:
     reader.wait()  # within its busy phase: one look at the queue per call
 cpu = time.process_time() - start
-print(json.dumps({"patches": applied_vllm_patches(), "busy_loop_s": reader.busy_loop_s, "cpu_share": cpu / 0.3}))
+last_pause = pauses[-1] if pauses else None
+reader.record_read()  # a message came: the next wait looks promptly again
+pauses.clear()
+reader.wait()
+print(json.dumps({"patches": applied_vllm_patches(), "busy_loop_s": reader.busy_loop_s, "cpu_share": cpu / 0.3,
+                  "last_pause": last_pause, "pause_after_read": pauses[0] if pauses else None}))
 """
 
 
@@ -183,7 +190,7 @@ def test_vllm_queue_looks_are_prompt_at_first_and_sparse_in_long_waits():
 def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
     """vLLM's plugin loader applies the patch in an engine we started (env set), and nowhere else."""
     pytest.importorskip("vllm")
-    from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+    from megatron_rl.parallel.patches import VLLM_PATCHES_ENV, VLLM_WAIT_POLL_MAX_S, VLLM_WAIT_POLL_S
 
     env = {k: v for k, v in os.environ.items() if k != VLLM_PATCHES_ENV}
     if in_our_engine:
@@ -198,5 +205,7 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
     if in_our_engine:
         assert out["patches"] == ["vllm_queue_waits_sleep"]
         assert out["cpu_share"] < 0.15, out  # waiting no longer takes a core
+        assert out["last_pause"] == pytest.approx(VLLM_WAIT_POLL_MAX_S), out  # looks got sparse over 0.3 s
+        assert out["pause_after_read"] == VLLM_WAIT_POLL_S, out  # and prompt again after a message
     else:
         assert out["patches"] == [] and out["cpu_share"] > 0.5, out
