@@ -129,6 +129,18 @@ def test_large_tensors_travel_in_broadcasts_of_their_own():
     assert whole.segments == () and [(s.start, s.end) for s in whole.broadcasts] == [(0, whole.nbytes)]
 
 
+def _delivered(bucket, sources: list[torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    """What a receiver unpacks after every broadcast of `bucket` delivered its source into a buffer."""
+    received = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    for segment, source in zip(bucket.broadcasts, sources, strict=True):
+        received[segment.start : segment.end].copy_(source)
+    return dict(unpack(received, bucket, version=version))
+
+
+def _all_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+
+
 def test_broadcast_sources_send_large_contiguous_tensors_from_their_own_memory():
     tensors = {"s": torch.randn(3), "big": torch.randn(64, 8), "strided": torch.randn(8, 64).t(), "t": torch.randn(2)}
     specs = [TensorSpec(n, tuple(t.shape), "float32", 0, False) for n, t in tensors.items()]
@@ -138,11 +150,7 @@ def test_broadcast_sources_send_large_contiguous_tensors_from_their_own_memory()
     assert by_slot[1].data_ptr() == tensors["big"].data_ptr()  # no copy made
     assert by_slot[2].data_ptr() != tensors["strided"].data_ptr()  # not contiguous: packed first
     # What the broadcasts deliver into a receiver's buffer unpacks to the very tensors.
-    received = torch.zeros(bucket.nbytes + 64, dtype=torch.uint8)
-    for segment, source in zip(bucket.broadcasts, sources, strict=True):
-        received[segment.start : segment.end].copy_(source)
-    out = dict(unpack(received[: bucket.nbytes], bucket, version=2))
-    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+    assert _all_equal(_delivered(bucket, sources, version=2), tensors)
 
 
 class _Work:
@@ -189,10 +197,7 @@ def test_tensors_the_engines_asked_for_travel_alone_in_their_wire_layout():
     assert torch.equal(elsewhere.view(torch.float32), wire)
     assert [n for n, _ in unpack(received, bucket, version=1, skip={"w"})] == ["odd", "n"]
     # Received into the bucket instead, it is put back into its own layout.
-    for segment, source in zip(bucket.broadcasts, sources, strict=True):
-        received[segment.start : segment.end].copy_(source)
-    out = dict(unpack(received, bucket, version=1))
-    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+    assert _all_equal(_delivered(bucket, sources, version=1), tensors)
 
 
 def test_wire_layouts_are_those_every_engine_worker_asked_for():
@@ -243,11 +248,7 @@ def test_tensors_lying_back_to_back_in_the_engines_share_a_broadcast(monkeypatch
     merged = sources[1].view(torch.float32)
     assert torch.equal(merged[: 32 * 8], tensors["a"].view(2, 16, 8).transpose(1, 2).reshape(-1))
     assert torch.equal(merged[32 * 8 :], tensors["b"].view(2, 16, 8).transpose(1, 2).reshape(-1))
-    received = torch.zeros(bucket.nbytes, dtype=torch.uint8)
-    for segment, source in zip(bucket.broadcasts, sources, strict=True):
-        received[segment.start : segment.end].copy_(source)
-    out = dict(unpack(received, bucket, version=1))
-    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+    assert _all_equal(_delivered(bucket, sources, version=1), tensors)
 
 
 def test_engines_agree_on_places_only_where_every_worker_has_the_same():
