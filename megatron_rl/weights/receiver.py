@@ -60,10 +60,9 @@ class WeightReceiver:
         finish_start = time.perf_counter()
         loader.finish()
         end = time.perf_counter()
-        phases = getattr(loader, "timings", {})
         return {"version": version, **stats, "seconds": end - start, "finish_seconds": end - finish_start,
                 "wire_layouts": loader.wire_layouts(), "wire_places": loader.wire_places(),
-                **{f"loader_{k}": v for k, v in phases.items()}}  # fmt: skip
+                **{f"loader_{k}": v for k, v in loader.timings.items()}}  # fmt: skip
 
     def _receive_buckets(
         self, plan: list[BucketSpec], buffers: list[torch.Tensor], version: int, loader: InPlaceWeightLoader
@@ -141,7 +140,7 @@ class WeightReceiver:
         placed = []
         for i, segment in enumerate(bucket.broadcasts):
             slots = [bucket.slots[k] for k in segment.slot_indices]
-            destination = _direct_span(loader, slots) if slots else None
+            destination = _direct_span(loader, slots)
             if destination is not None and destination.numel() == segment.nbytes:
                 targets[i] = destination
                 placed += [slot.name for slot in slots]
@@ -178,7 +177,8 @@ class WeightReceiver:
 
 def _direct_span(loader: InPlaceWeightLoader, slots: list[Slot]) -> torch.Tensor | None:
     """Where the loader takes these consecutive slots straight (`direct_destination`), as one flat uint8 span,
-    when each lies right after the previous one in the same memory; else None (they come through a buffer)."""
+    when each lies right after the previous one in the same memory; else None (they come through a buffer, as
+    a packed range, which has no slots, always does)."""
     first = None
     for slot in slots:
         destination = loader.direct_destination(slot.name, slot.layout, slot.shape, slot.dtype)
