@@ -20,9 +20,10 @@ from pathlib import Path
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.parallel.torchrun import run_torchrun
 from megatron_rl.tools.make_tiny import make_tiny
+from megatron_rl.weights.transport import GLOO_STREAMS
 
 
-def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
+def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams: int) -> dict:
     """Start Ray + one engine, run the trainer worker in bench mode, and summarise its timings."""
     from megatron_rl.rollout.engine import EngineSpec
     from megatron_rl.rollout.pool import EnginePool
@@ -36,7 +37,7 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
             spec = {
                 "hf": str(hf), "layout": ParallelLayout().__dict__, "ray_address": ray_info["address"],
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
-                "timeout_s": timeout_s, "inflight": "keep", "noise": 0.01, "bench": {"repeats": repeats},
+                "streams": streams, "timeout_s": timeout_s, "inflight": "keep", "noise": 0.01, "bench": {"repeats": repeats},
                 "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -48,6 +49,7 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
     sync_s = statistics.median(report["sync_seconds"])
     raw_s = statistics.median(report["raw_seconds"])
     chunked_s = statistics.median(report["chunked_seconds"])
+    parallel_s = statistics.median(report["parallel_seconds"])
     return {
         "bucket_mb": bucket_mb,
         "buckets": report["plan"]["buckets"],
@@ -62,6 +64,10 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float) -> dict:
         "plain_chunked_seconds": round(chunked_s, 4),
         "plain_chunk_bytes": report["chunk_bytes"],
         "ratio_to_chunked": round(chunked_s / sync_s, 3),
+        # The same chunks with one under way per gloo stream: the most this transport moved (stricter than `ratio`).
+        "plain_parallel_seconds": round(parallel_s, 4),
+        "plain_parallel_in_flight": report["streams"],
+        "ratio_to_parallel": round(parallel_s / sync_s, 3),
         "engine_side": [_engine_phases(w) for ws in report["engine_side"] for w in ws],
     }
 
@@ -96,6 +102,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--streams", type=int, default=GLOO_STREAMS, help="gloo TCP connections per member pair")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mrl-bench-model-") as tmp:
         hf = make_tiny(
@@ -104,11 +111,20 @@ def main() -> None:
                        "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": args.hidden,
                        "intermediate_size": 2 * args.hidden, "num_experts": 8},
         )  # fmt: skip
-        result = measure(hf, args.bucket_mb, args.repeats, args.timeout)
+        result = measure(hf, args.bucket_mb, args.repeats, args.timeout, args.streams)
         params = result["bytes"] // 4
-        result.update(model_parameters=params, dtype="float32", layout="tp1-pp1-ep1", engines=1, goal_ratio=0.7)
+        result.update(
+            model_parameters=params,
+            dtype="float32",
+            layout="tp1-pp1-ep1",
+            engines=1,
+            streams=args.streams,
+            goal_ratio=0.7,
+        )
         if args.sweep:
-            result["sweep"] = [measure(hf, mb, args.repeats, args.timeout) for mb in (8, 16, 32, 128, 256)]
+            result["sweep"] = [
+                measure(hf, mb, args.repeats, args.timeout, args.streams) for mb in (8, 16, 32, 128, 256)
+            ]
     print(json.dumps(result))
 
 

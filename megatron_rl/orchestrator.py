@@ -159,7 +159,7 @@ class Run:
             ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the engines to start")
         sync = TrainerWeightSync(
             _WeightView(self.trainer), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s,
-            host=cfg.sync.bind_host, inflight=_inflight_mode(cfg),
+            host=cfg.sync.bind_host, inflight=_inflight_mode(cfg), streams=cfg.sync.gloo_streams,
         )  # fmt: skip
         sync.setup()
         self.sync = RecoveringSync(sync, self.control, cfg.sync.timeout_s)

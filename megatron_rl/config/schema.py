@@ -234,6 +234,10 @@ class SyncConfig(Section):
     and `bench/weight_sync.py`'s) is what CPU runs were measured at; the GPU configs set 512-1024."""
     timeout_s: float = Field(300.0, gt=0)
     """Deadline of one whole sync; an engine that does not join or dies fails it, named."""
+    gloo_streams: int = Field(2, ge=1, le=8)
+    """gloo (CPU) only: TCP connections between the sender and each engine worker, taken in turn by
+    consecutive broadcasts so that several move at once (one loopback stream is latency-bound: two moved the
+    same bytes in about 0.7 of the time). NCCL ignores it."""
     inflight: Literal["pause", "abort"] = "pause"
     """Requests in flight during a sync: paused and resumed, or aborted and continued from their prefix."""
     bind_host: str = "127.0.0.1"

@@ -353,9 +353,13 @@ class VLLMEngine:
         with contextlib.suppress(Exception):  # vLLM is failing anyway; `resume` released the waiting requests
             await self.resume()
 
-    async def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int, timeout_s: float = 300.0) -> list:
+    async def receive_raw(
+        self, sender: int, nbytes: int, chunk_bytes: int, in_flight: int = 1, timeout_s: float = 300.0
+    ) -> list:
         """Benchmark baseline: every worker receives `nbytes` from a sender's group and discards them."""
-        return await self.collective_rpc("mrl_receive_raw", args=(sender, nbytes, chunk_bytes), timeout=timeout_s)
+        return await self.collective_rpc(
+            "mrl_receive_raw", args=(sender, nbytes, chunk_bytes, in_flight), timeout=timeout_s
+        )
 
     async def health(self) -> dict:
         """Whether vLLM is alive, its weight version and whether its weights are consistent."""

@@ -42,6 +42,7 @@ def run_sync_check(
     from megatron_rl.rollout.engine import EngineSpec
     from megatron_rl.rollout.pool import EnginePool
     from megatron_rl.rollout.ray_utils import start_local_ray
+    from megatron_rl.weights.transport import GLOO_STREAMS
 
     hf_config = read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
@@ -69,7 +70,7 @@ def run_sync_check(
             spec = {
                 "hf": str(hf_dir), "layout": layout.__dict__, "ray_address": ray_info["address"],
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
-                "timeout_s": timeout_s, "inflight": inflight, "syncs": syncs, "noise": noise, "batch": batch, "seq": seq,
+                "streams": GLOO_STREAMS, "timeout_s": timeout_s, "inflight": inflight, "syncs": syncs, "noise": noise, "batch": batch, "seq": seq,
                 "inflight_requests": inflight_requests, "inflight_tokens": inflight_tokens,
                 "kill_engine": kill_engine,
                 "out": str(Path(tmp) / "report.json"),

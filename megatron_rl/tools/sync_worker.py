@@ -101,13 +101,14 @@ def summarize_inflight(results, max_tokens: int) -> dict:
 
 def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
     """Timed syncs (gather + pack + send + load, engines acknowledged) against plain broadcasts of the same bytes:
-    one broadcast of them all (the baseline), and broadcasts of one bucket's size one after another."""
+    one broadcast of them all (the baseline), broadcasts of one bucket's size one after another, and such
+    broadcasts with one under way per gloo stream (the transport's best, as the sync keeps several going)."""
     from megatron_rl.weights.sync import push_raw
 
     chunk = max(b.nbytes for b in sync.plan)
-    sync_s, raw_s, chunked_s, engine_side = [], [], [], []
+    sync_s, raw_s, chunked_s, parallel_s, engine_side = [], [], [], [], []
     push_raw(sync, setup["bytes"])  # warm-up: first use of the sockets and of the baseline's buffers
-    push_raw(sync, setup["bytes"], chunk)
+    push_raw(sync, setup["bytes"], chunk, sync.streams)
     for version in range(1, spec["bench"]["repeats"] + 1):
         perturb_weights(rank, seed=version, scale=spec["noise"])
         dist.barrier()
@@ -119,8 +120,10 @@ def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
             )
         raw_s.append(push_raw(sync, setup["bytes"]))
         chunked_s.append(push_raw(sync, setup["bytes"], chunk))
+        parallel_s.append(push_raw(sync, setup["bytes"], chunk, sync.streams))
     return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "chunked_seconds": chunked_s,
-            "chunk_bytes": chunk, "engine_side": engine_side}  # fmt: skip
+            "parallel_seconds": parallel_s, "chunk_bytes": chunk, "streams": sync.streams,
+            "engine_side": engine_side}  # fmt: skip
 
 
 def main(spec_path: str) -> None:
@@ -144,7 +147,9 @@ def main(spec_path: str) -> None:
             join_ray(spec["ray_address"])
             actor = ray.get_actor(name)
         handles.append(EngineHandle(name, actor, workers))
-    sync = TrainerWeightSync(rank, handles, spec["bucket_bytes"], spec["timeout_s"], inflight=spec["inflight"])
+    sync = TrainerWeightSync(
+        rank, handles, spec["bucket_bytes"], spec["timeout_s"], inflight=spec["inflight"], streams=spec["streams"]
+    )
     setup = sync.setup()
     if spec.get("bench"):
         report = run_bench(rank, sync, setup, spec)

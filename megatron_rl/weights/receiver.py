@@ -14,7 +14,7 @@ import torch
 from megatron_rl.parallel.groups import compute_device
 from megatron_rl.weights import buckets as bucket_io
 from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, Slot, plan_from_json
-from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
+from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, broadcast_chunks, wait
 
 if TYPE_CHECKING:
     from megatron_rl.weights.vllm_loader import InPlaceWeightLoader
@@ -159,19 +159,19 @@ class WeightReceiver:
         works = [group.broadcast(target, src=0) for target in targets]
         return view, works, group, placed, owned
 
-    def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int) -> dict:
-        """Baseline for benchmarks: receive `nbytes` from `sender` in broadcasts of `chunk_bytes`, loading nothing.
+    def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int, in_flight: int = 1) -> dict:
+        """Baseline for benchmarks: receive `nbytes` from `sender` in broadcasts of `chunk_bytes`, up to
+        `in_flight` at once (`broadcast_chunks`), loading nothing.
 
         Into a buffer of its own, made once and kept (warm memory, as the update's are), not the update's.
         """
         group = self.groups[sender]
-        if self._raw_buffer is None or self._raw_buffer.numel() < chunk_bytes:
+        size = min(nbytes, chunk_bytes * in_flight)
+        if self._raw_buffer is None or self._raw_buffer.numel() < size:
             self._raw_buffer = None  # free the old one first
-            self._raw_buffer = torch.empty(chunk_bytes, dtype=torch.uint8, device=compute_device())
-        buffer = self._raw_buffer
+            self._raw_buffer = torch.empty(size, dtype=torch.uint8, device=compute_device())
         start = time.perf_counter()
-        for offset in range(0, nbytes, chunk_bytes):
-            wait(group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0), "raw chunk", group)
+        broadcast_chunks(group, self._raw_buffer, nbytes, chunk_bytes, in_flight)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}
 
 

@@ -15,9 +15,11 @@ from megatron_rl.trainer.setup import TrainerRank
 from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
 from megatron_rl.weights.sender import build_plan, send_update
 from megatron_rl.weights.transport import (
+    GLOO_STREAMS,
     GroupSpec,
     TransportError,
     WeightGroup,
+    broadcast_chunks,
     default_backend,
     resolve_host,
     unpacked_min_bytes,
@@ -75,6 +77,7 @@ class TrainerWeightSync:
         timeout_s: float = 300.0,
         host: str = "127.0.0.1",
         inflight: str = "keep",
+        streams: int = GLOO_STREAMS,
     ):
         self.rank = rank
         self.engines = engines
@@ -82,6 +85,8 @@ class TrainerWeightSync:
         self.timeout_s = timeout_s
         self.host = host
         self.inflight = inflight
+        self.streams = streams
+        """gloo: TCP connections per member pair of each weight group (`GroupSpec.streams`)."""
         self.plan: list[BucketSpec] = []
         self.group: WeightGroup | None = None
         self.layouts: dict[str, str] = {}
@@ -113,7 +118,7 @@ class TrainerWeightSync:
             address = (host, port)
         addresses: list = [None] * dist.get_world_size()
         dist.all_gather_object(addresses, address)
-        specs = [GroupSpec(s, *addresses[s], self._members(s), backend) for s in senders]
+        specs = [GroupSpec(s, *addresses[s], self._members(s), backend, self.streams) for s in senders]
         futures = {}
         if self.is_coordinator:
             groups_json = _groups_json(specs)
@@ -211,12 +216,13 @@ def _groups_json(specs: list[GroupSpec]) -> str:
     return json.dumps([s.to_dict() for s in specs])
 
 
-def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int | None = None) -> float:
+def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int | None = None, in_flight: int = 1) -> float:
     """Benchmark baseline: broadcast `nbytes` from the first sender to every engine; wall seconds.
 
-    One broadcast of all the bytes (or broadcasts of `chunk_bytes` one after another), from a send buffer kept
-    for it into a receive buffer each engine worker keeps for it: warm memory at both ends, as the sync's
-    buffers are (fresh memory costs a page fault per 4 KiB), and the sync's own buffers are left alone.
+    One broadcast of all the bytes, or broadcasts of `chunk_bytes` with up to `in_flight` under way at once
+    (`broadcast_chunks`), from a send buffer kept for it into a receive buffer each engine worker keeps for it:
+    warm memory at both ends, as the sync's buffers are (fresh memory costs a page fault per 4 KiB), and the
+    sync's own buffers are left alone.
     """
     sender = min(b.owner for b in sync.plan)
     chunk_bytes = min(chunk_bytes or nbytes, nbytes)
@@ -224,12 +230,12 @@ def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int | None = Non
     futures = {}
     if sync.is_coordinator:
         futures = {
-            e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, sync.timeout_s) for e in sync.engines
+            e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, in_flight, sync.timeout_s)
+            for e in sync.engines
         }
     if sync.rank.ctx.rank == sender:
-        buffer = _raw_send_buffer(chunk_bytes)
-        for offset in range(0, nbytes, chunk_bytes):
-            sync.group.broadcast(buffer[: min(chunk_bytes, nbytes - offset)], src=0).wait()
+        buffer = _raw_send_buffer(min(nbytes, chunk_bytes * in_flight))
+        broadcast_chunks(sync.group, buffer, nbytes, chunk_bytes, in_flight)
     if sync.is_coordinator:
         ray_get_named(futures, sync.timeout_s, "raw broadcast")
     dist.barrier()

@@ -90,9 +90,9 @@ class WeightUpdateExtension:
             raise RuntimeError("mrl_receive_update before mrl_init_weight_groups")
         return receiver.receive(version, plan_json, self.mrl_weight_loader())
 
-    def mrl_receive_raw(self, sender: int, nbytes: int, chunk_bytes: int) -> dict:
+    def mrl_receive_raw(self, sender: int, nbytes: int, chunk_bytes: int, in_flight: int = 1) -> dict:
         """Benchmark baseline: receive bytes over the weight group of `sender` without loading them."""
-        return self._mrl_receiver.receive_raw(sender, nbytes, chunk_bytes)
+        return self._mrl_receiver.receive_raw(sender, nbytes, chunk_bytes, in_flight)
 
     def mrl_finish_weight_update(self) -> None:
         """End the current update (see `InPlaceWeightLoader.finish`)."""

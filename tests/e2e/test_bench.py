@@ -32,6 +32,10 @@ def test_weight_sync_bench_reports_sync_and_plain_broadcast():
         assert result[f"{kind}_seconds"] > 0
         assert result[f"{kind}_gb_per_s"] == pytest.approx(result["bytes"] / result[f"{kind}_seconds"] / 1e9, rel=1e-2)
     assert result["ratio"] == pytest.approx(result["sync_gb_per_s"] / result["plain_gb_per_s"], rel=1e-2)
+    assert result["streams"] == result["plain_parallel_in_flight"] == 2  # the default gloo streams
+    assert result["ratio_to_parallel"] == pytest.approx(
+        result["plain_parallel_seconds"] / result["sync_seconds"], rel=1e-2
+    )
     assert result["goal_ratio"] == 0.7
     assert result["engine_side"] and all(phase["seconds"] > 0 for phase in result["engine_side"])
 
