@@ -14,7 +14,14 @@ import torch
 from megatron_rl.parallel.groups import compute_device
 from megatron_rl.weights import buckets as bucket_io
 from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, Slot, plan_from_json
-from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, broadcast_chunks, wait
+from megatron_rl.weights.transport import (
+    GroupSpec,
+    TransportError,
+    WeightGroup,
+    broadcast_chunks,
+    chunks_buffer_bytes,
+    wait,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.weights.vllm_loader import InPlaceWeightLoader
@@ -166,7 +173,7 @@ class WeightReceiver:
         Into a buffer of its own, made once and kept (warm memory, as the update's are), not the update's.
         """
         group = self.groups[sender]
-        size = min(nbytes, chunk_bytes * in_flight)
+        size = chunks_buffer_bytes(nbytes, chunk_bytes, in_flight)
         if self._raw_buffer is None or self._raw_buffer.numel() < size:
             self._raw_buffer = None  # free the old one first
             self._raw_buffer = torch.empty(size, dtype=torch.uint8, device=compute_device())

@@ -20,6 +20,7 @@ from megatron_rl.weights.transport import (
     TransportError,
     WeightGroup,
     broadcast_chunks,
+    chunks_buffer_bytes,
     default_backend,
     resolve_host,
     unpacked_min_bytes,
@@ -234,7 +235,7 @@ def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int | None = Non
             for e in sync.engines
         }
     if sync.rank.ctx.rank == sender:
-        buffer = _raw_send_buffer(min(nbytes, chunk_bytes * in_flight))
+        buffer = _raw_send_buffer(chunks_buffer_bytes(nbytes, chunk_bytes, in_flight))
         broadcast_chunks(sync.group, buffer, nbytes, chunk_bytes, in_flight)
     if sync.is_coordinator:
         ray_get_named(futures, sync.timeout_s, "raw broadcast")

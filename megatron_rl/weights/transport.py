@@ -233,10 +233,15 @@ def wait(work, what: str, group: WeightGroup) -> None:
         raise TransportError(f"{where} failed: {err}") from None
 
 
+def chunks_buffer_bytes(nbytes: int, chunk_bytes: int, in_flight: int) -> int:
+    """The buffer `broadcast_chunks` needs: room for `in_flight` chunks, or for all of `nbytes` if less."""
+    return min(nbytes, chunk_bytes * in_flight)
+
+
 def broadcast_chunks(group: WeightGroup, buffer: torch.Tensor, nbytes: int, chunk_bytes: int, in_flight: int) -> None:
     """Benchmark baseline, run alike by the sender and every receiver: `nbytes` in broadcasts of `chunk_bytes`
-    from (into) `buffer`, with up to `in_flight` of them under way at once, each in its own part of `buffer`
-    (which must hold `in_flight` chunks, or all of `nbytes` if less)."""
+    from (into) `buffer` (at least `chunks_buffer_bytes`), with up to `in_flight` of them under way at once,
+    each in its own part of `buffer`."""
     parts = max(1, min(in_flight, -(-nbytes // chunk_bytes)))
     works: collections.deque = collections.deque()
     for index, offset in enumerate(range(0, nbytes, chunk_bytes)):
