@@ -19,9 +19,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.tools.convert import hf_to_mcore
-from megatron_rl.tools.make_tiny import make_tiny
+from megatron_rl.weights.convert import hf_to_mcore
 
 
 def plain_read_write(hf_dir: Path, scratch: Path) -> float:

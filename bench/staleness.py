@@ -17,9 +17,13 @@ import json
 import statistics
 import tempfile
 
-from megatron_rl.config import load_config
-from megatron_rl.metrics import read_metrics
-from megatron_rl.tools.train import run_training
+from megatron_rl.rollout.ray_env import prefer_loopback_ray
+
+prefer_loopback_ray()  # a local Ray on loopback only: before anything below imports ray
+
+from megatron_rl.config import load_config  # noqa: E402
+from megatron_rl.launcher import run_training  # noqa: E402
+from megatron_rl.metrics.logger import read_metrics  # noqa: E402
 
 SETTINGS = {
     "sync": ["mode=sync"],

@@ -17,10 +17,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.parallel.torchrun import run_torchrun
-from megatron_rl.tools.make_tiny import make_tiny
-from megatron_rl.weights.transport import GLOO_STREAMS
+from megatron_rl.rollout.ray_env import prefer_loopback_ray
+
+prefer_loopback_ray()  # a local Ray on loopback only: before anything below imports ray
+
+from megatron_rl.models.tiny import make_tiny  # noqa: E402
+from megatron_rl.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_rl.parallel.torchrun import run_torchrun  # noqa: E402
+from megatron_rl.weights.transport import GLOO_STREAMS  # noqa: E402
 
 
 def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams: int) -> dict:
@@ -41,7 +45,7 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams:
                 "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-            run_torchrun("megatron_rl.tools.sync_worker", [str(Path(tmp) / "spec.json")], 1, timeout_s * (repeats + 2))
+            run_torchrun("megatron_rl.workers.sync_check", [str(Path(tmp) / "spec.json")], 1, timeout_s * (repeats + 2))
             report = json.loads(Path(spec["out"]).read_text())
     finally:
         pool.shutdown()

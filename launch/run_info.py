@@ -20,6 +20,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.parallel.layout import LayoutError, check_layout, layout_from_config
+
 ENV_FALLBACK = {
     "trainer_nodes": "TRAINER_NODES",
     "inference_nodes": "INFERENCE_NODES",
@@ -65,12 +68,8 @@ def cluster_value(cfg, field: str) -> int | None:
 
 def resolve(config: str, overrides: list[str], with_cluster: bool) -> dict[str, str]:
     """Everything the launch scripts need to know about a run, as strings."""
-    from megatron_rl.config import load_config
-    from megatron_rl.parallel.layout import check_layout
-    from megatron_rl.tools.train import layout_of
-
     cfg = load_config(config, overrides)
-    layout = layout_of(cfg)
+    layout = layout_from_config(cfg.trainer.parallel)
     check_layout(layout)
     run_dir = Path(cfg.output_dir) / cfg.name
     r = cfg.rollout
@@ -115,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--cluster", action="store_true", help="also resolve the node counts of a multi-node job")
     args = parser.parse_args(argv)
-    from megatron_rl.config import ConfigError
-    from megatron_rl.parallel.layout import LayoutError
 
     try:
         info = resolve(args.config, args.overrides, args.cluster)

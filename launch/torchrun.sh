@@ -8,7 +8,7 @@
 #   2. the launcher in the background: `megatron-rl train CONFIG ... --ray-address HEAD --external-trainer`
 #      (rollout buffer, vLLM engines, generation driver; writes <output_dir>/<name>/trainer_spec.json),
 #   3. once the spec is there, the trainer: `torchrun --standalone --nproc-per-node WORLD
-#      -m megatron_rl.orchestrator SPEC` (WORLD = tp * pp * dp of trainer.parallel), output in
+#      -m megatron_rl.trainer.loop SPEC` (WORLD = tp * pp * dp of trainer.parallel), output in
 #      <run_dir>/trainer.log,
 #   4. waits for both; if either fails the other is stopped and the script exits non-zero naming the side; Ray is
 #      stopped on every exit (trap), including Ctrl-C.
@@ -221,7 +221,7 @@ main() {
     local launcher=("$MRL_PYTHON" -m megatron_rl.cli train "$CONFIG" "${OVERRIDES[@]}" --ray-address "$address"
         --external-trainer "${LAUNCHER_FLAGS[@]}")
     local trainer=(env "${TRAINER_ENV[@]}" "$MRL_PYTHON" -m torch.distributed.run --standalone --nnodes 1
-        --nproc-per-node "$MRL_WORLD_SIZE" --max-restarts 0 -m megatron_rl.orchestrator "$MRL_SPEC")
+        --nproc-per-node "$MRL_WORLD_SIZE" --max-restarts 0 -m megatron_rl.trainer.loop "$MRL_SPEC")
     if mrl_dry_run; then
         mrl_show launcher "${launcher[@]}"
         mrl_show wait-spec "$MRL_SPEC" --timeout "$SPEC_TIMEOUT"

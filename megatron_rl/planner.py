@@ -43,7 +43,8 @@ import json
 import math
 from pathlib import Path
 
-from megatron_rl.config.schema import RunConfig
+from megatron_rl.config import RunConfig
+from megatron_rl.errors import UserError
 from megatron_rl.models import CheckpointError, ModelArch, family_for_hf_config, get_family
 from megatron_rl.parallel.layout import (
     LayoutError,
@@ -65,7 +66,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A run config that does not divide its model or cluster, or does not fit in GPU memory; names the field."""
 
 

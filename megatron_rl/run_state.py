@@ -1,7 +1,7 @@
 """Whole-run checkpoints: everything a run needs to continue after a crash, saved every K steps.
 
 `<checkpoint.save_dir>/step_<N>/` holds the trainer's Megatron distributed checkpoint (model, optimizer in the
-layout-independent format, LR scheduler), each rank's RNG state, and `run_state.json`: the step (= weight
+layout-independent format, LR scheduler), each rank's RNG state (`trainer/checkpoint.py`), and `run_state.json`: the step (= weight
 version), the rollout buffer's contents, counters and data position. `<save_dir>/latest` names the last complete
 one and is written last, atomically, so a crash while saving leaves the previous checkpoint in charge.
 
@@ -13,18 +13,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 from pathlib import Path
+
+from megatron_rl.errors import UserError
 
 LATEST = "latest"
 RUN_STATE = "run_state.json"
-RNG_DIR = "rng"
 RUN_STATE_FORMAT = 1
 
 log = logging.getLogger(__name__)
 
 
-class ResumeError(RuntimeError):
+class ResumeError(UserError, RuntimeError):
     """No usable checkpoint or run record to resume from, or a fresh run pointed at another run's checkpoints; the
     message names the folder or file and what is wrong."""
 
@@ -92,47 +92,6 @@ def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def rng_state() -> dict:
-    """This process's RNG states (torch CPU, CUDA when present, Python); numbers and tensors only."""
-    import torch
-
-    state = {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state` returned."""
-    import torch
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = json.loads(state["python"])
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save_rng(folder: str | Path, rank: int) -> None:
-    """(Every rank) save this rank's RNG state into the checkpoint."""
-    import torch
-
-    path = Path(folder) / RNG_DIR
-    path.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), path / f"rank{rank}.pt")
-
-
-def load_rng(folder: str | Path, rank: int) -> bool:
-    """(Every rank) restore this rank's RNG state; False when the checkpoint has none for it (another layout)."""
-    import torch
-
-    path = Path(folder) / RNG_DIR / f"rank{rank}.pt"
-    if not path.exists():
-        return False
-    set_rng_state(torch.load(path, weights_only=True))
-    return True
 
 
 def truncate_metrics(path: str | Path, last_step: int) -> int:

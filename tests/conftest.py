@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A function family -> path of a tiny random HF checkpoint of that family (created on first use)."""
-    from megatron_rl.tools.make_tiny import make_tiny
+    from megatron_rl.models.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     made: dict[str, str] = {}

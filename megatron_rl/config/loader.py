@@ -9,10 +9,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.run import RunConfig
+from megatron_rl.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override that does not fit the schema; the message names every problem."""
 
 

@@ -10,10 +10,11 @@ import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any
 
+from megatron_rl.errors import UserError
 from megatron_rl.models import transforms
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, malformed or does not fit the model it is loaded into."""
 
 

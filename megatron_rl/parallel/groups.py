@@ -12,7 +12,10 @@ import os
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 
+from megatron_rl.parallel.devices import backend_for_device, compute_device
 from megatron_rl.parallel.layout import ParallelLayout, check_layout, rank_coords
 from megatron_rl.parallel.patches import apply_patches
 
@@ -47,16 +50,6 @@ class ParallelContext:
         return self.pp_rank == self.layout.pp - 1
 
 
-def compute_device() -> torch.device:
-    """This process's accelerator (the current CUDA device), or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def backend_for_device() -> str:
-    """NCCL when CUDA is available, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def join_process_group(timeout_s: float = 600.0) -> None:
     """Join the torchrun job's default process group (env:// rendezvous) unless this process already has.
 
@@ -81,8 +74,6 @@ def init_distributed(
     DistributedOptimizer's checkpoint paths use (for processes that build no optimizer, e.g. conversion).
     """
     apply_patches()
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     join_process_group(timeout_s)
     check_layout(layout, dist.get_world_size())
@@ -127,7 +118,6 @@ def _check_coords_match(ctx: ParallelContext) -> None:
 
 def destroy_distributed() -> None:
     """Tear down Megatron's groups and the default process group."""
-    from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
     if dist.is_initialized():

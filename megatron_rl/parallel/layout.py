@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megatron_rl.errors import UserError
 from megatron_rl.models.base import ModelArch
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """A parallel layout that does not divide the world or the model."""
 
 

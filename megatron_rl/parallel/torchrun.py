@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rl.errors import UserError
 
-class LaunchError(RuntimeError):
+
+class LaunchError(UserError, RuntimeError):
     """A torchrun job failed or ran past its deadline."""
 
 

@@ -27,6 +27,9 @@ import threading
 import time
 from typing import Any, Literal
 
+import ray
+
+from megatron_rl.rollout.ray_utils import on_this_node
 from megatron_rl.rollout.tasks import PromptStream
 from megatron_rl.rollout.types import Group
 
@@ -394,9 +397,6 @@ def make_buffer_actor(*args: Any, name: str | None = None, max_concurrency: int 
     Ray runs up to `max_concurrency` calls at once on a thread pool; the buffer's lock makes each atomic.
     `claim_prompts`/`get_batch` block a thread while they wait, so keep fewer waiting callers than threads.
     """
-    import ray
-
-    from megatron_rl.rollout.ray_utils import on_this_node
 
     options: dict[str, Any] = {"max_concurrency": max_concurrency, "num_cpus": 0, **on_this_node()}
     if name:

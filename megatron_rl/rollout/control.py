@@ -13,6 +13,10 @@ import threading
 import time
 from typing import Any
 
+import ray
+
+from megatron_rl.rollout.ray_utils import on_this_node
+
 CONTROL_NAME = "run-control"
 TRAINER_STATES = ("starting", "running", "done", "failed")
 CALL_TIMEOUT_S = 60.0
@@ -75,9 +79,6 @@ class RunControl:
 
 def make_control_actor(engines: list[tuple[str, int]], name: str = CONTROL_NAME):
     """Start a `RunControl` as a named, threaded Ray actor; returns its handle."""
-    import ray
-
-    from megatron_rl.rollout.ray_utils import on_this_node
 
     options = {"name": name, "num_cpus": 0, "max_concurrency": 16, **on_this_node()}
     return ray.remote(RunControl).options(**options).remote(engines)

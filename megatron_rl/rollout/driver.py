@@ -16,6 +16,9 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
+
+from megatron_rl.errors import UserError
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.types import Group, Sample
@@ -41,7 +44,7 @@ def mode_lag(mode: str, max_staleness: int) -> int:
     return MODE_LAG.get(mode, max(1, max_staleness))
 
 
-class GenerationError(RuntimeError):
+class GenerationError(UserError, RuntimeError):
     """Generation cannot go on (the message says why); the launcher stops the trainer and exits non-zero."""
 
 
@@ -281,6 +284,5 @@ async def ask_health(actor, timeout_s: float) -> tuple[dict, str | None]:
 
 def is_actor_death(err: BaseException) -> bool:
     """Whether `err` says the engine's actor process is gone (rather than that one request failed)."""
-    import ray
 
     return isinstance(err, ray.exceptions.RayActorError)

@@ -14,12 +14,15 @@ import os
 import time
 import uuid
 
-WORKER_EXTENSION = "megatron_rl.weights.vllm_worker_ext.WeightUpdateExtension"
+from megatron_rl.errors import UserError
+from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+
+WORKER_EXTENSION = "megatron_rl.weights.engine.worker.WeightUpdateExtension"
 RESUME_WAIT_MARGIN_S = 60.0
 """How much longer than the weight update's own timeout a paused request waits for the resume before it fails."""
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """An engine refused or failed an operation; the message names the engine."""
 
 
@@ -85,7 +88,6 @@ class GenerationResult:
 
 
 def _engine_env(spec: EngineSpec) -> None:
-    from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.

@@ -5,6 +5,10 @@ from __future__ import annotations
 import itertools
 import time
 
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from megatron_rl.rollout.engine import EngineSpec, GenerationRequest, VLLMEngine
 from megatron_rl.weights.sync import EngineHandle, ray_get_named
 
@@ -34,8 +38,6 @@ class EnginePool:
 
     def create(self, timeout_s: float = 600.0) -> None:
         """Reserve the placement group, create the actors and have each start vLLM, without waiting for it."""
-        import ray
-        from ray.util.placement_group import placement_group
 
         self.placement_group = placement_group([self._bundle(s) for s in self.specs], strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_s)
@@ -53,8 +55,6 @@ class EnginePool:
 
     def _create_actor(self, index: int, spec: EngineSpec):
         """The engine actor of `spec` in its placement-group bundle (vLLM not yet started)."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
         return (
@@ -73,7 +73,6 @@ class EnginePool:
         """Replace engine `name` (dead or alive) by a fresh actor of the same name in the same bundle, with vLLM
         started from the spec's checkpoint; returns the new actor. Its weights are the start-up ones: the trainer
         brings it to the current version."""
-        import ray
 
         index = next((i for i, s in enumerate(self.specs) if s.name == name), None)
         if index is None:
@@ -111,7 +110,6 @@ class EnginePool:
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop vLLM in every engine and release the actors and placement group."""
-        import ray
 
         deadline = time.monotonic() + timeout_s
         for actor in self.actors.values():
@@ -122,7 +120,5 @@ class EnginePool:
             ray.kill(actor)
         self.actors = {}
         if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-
             remove_placement_group(self.placement_group)
             self.placement_group = None

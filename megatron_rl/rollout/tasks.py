@@ -26,13 +26,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.errors import UserError
+
 RewardFn = Callable[[str, Any, Any], float]
 """fn(response_text, answer, sample) -> float; `sample` is a `Sample` (or None outside a rollout)."""
 
 FAILURE_LOG_SIZE = 100  # recent reward failures / skipped rows kept in full; the counts are always complete
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
     """A task cannot be built or used; the message names the file, row, field or dotted path at fault."""
 
 

@@ -8,9 +8,17 @@ So the response token at index `j` of `tokens` is position `j - 1` of `loss_mask
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from megatron_rl.algorithms.advantages import compute_advantages
+
+if TYPE_CHECKING:  # the rollout's sample contract; the trainer only reads its fields
+    from megatron_rl.rollout.types import Group
 
 _PER_TOKEN = ("loss_mask", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs")
 
@@ -54,8 +62,8 @@ class TrainBatch:
             raise ValueError(f"tokens: sequence length {s} leaves nothing to predict")
         if s % tp:
             raise ValueError(
-                f"tokens: sequence length {s} is not a multiple of tensor parallel size {tp} (pad it with "
-                "pad_to_multiple)"
+                f"tokens: sequence length {s} is not a multiple of tensor parallel size {tp} (`groups_to_batch` pads "
+                "to a multiple of it)"
             )
         for name in _PER_TOKEN:
             value = getattr(self, name)
@@ -122,23 +130,30 @@ def data_parallel_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainB
     return batch.select(slice(dp_rank * per, (dp_rank + 1) * per))
 
 
-def pad_to_multiple(batch: TrainBatch, multiple: int, pad_id: int = 0) -> TrainBatch:
-    """Right-pad the sequence dimension to a multiple of `multiple` (TP size for sequence parallelism).
+def pad_length(longest: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that holds `longest` tokens."""
+    return max(multiple, math.ceil(longest / multiple) * multiple)
 
-    Padded tokens are `pad_id`; padded per-token positions are 0 (outside the mask, so they never count).
-    """
-    s = batch.seq_len
-    extra = (-s) % multiple
-    if extra == 0:
-        return batch
 
-    def pad(value: Tensor | None, fill) -> Tensor | None:
-        if value is None or value.dim() < 2:
-            return value
-        return torch.nn.functional.pad(value, (0, extra), value=fill)
-
-    changes = {"tokens": pad(batch.tokens, pad_id)}
-    for name in (*_PER_TOKEN, "advantages"):
-        value = getattr(batch, name)
-        changes[name] = pad(value, False if value is not None and value.dtype == torch.bool else 0)
-    return batch.replace(**changes)
+def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: int = 0) -> TrainBatch:
+    """One sequence per sample: tokens = prompt + response (right-padded to a multiple of `tp`), the mask on the
+    positions that predict response tokens, the engine's logprobs there, and group-relative advantages."""
+    samples = [s for g in groups for s in g.samples]
+    seq = pad_length(max(len(s.prompt_ids) + len(s.response_ids) for s in samples), max(tp, 2))
+    tokens = torch.full((len(samples), seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), seq - 1)
+    behaviour = torch.zeros(len(samples), seq - 1)
+    for row, sample in enumerate(samples):
+        ids = list(sample.prompt_ids) + list(sample.response_ids)
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        start = len(sample.prompt_ids) - 1  # position t predicts token t + 1
+        end = start + len(sample.response_ids)
+        mask[row, start:end] = 1.0
+        behaviour[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    advantages = compute_advantages(advantage, rewards, group_ids=group_ids)
+    lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
+    return TrainBatch(
+        tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths
+    )

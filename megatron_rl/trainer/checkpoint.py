@@ -7,16 +7,21 @@ A checkpoint folder holds Megatron's own files plus `megatron_rl.json` (family, 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
 from megatron_rl.models.base import CheckpointError
 from megatron_rl.models.hf_checkpoint import copy_side_files
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.optimizer import unwrap_model
+
+RNG_DIR = "rng"
+"""Folder of a checkpoint that holds each rank's RNG state (`rank<N>.pt`)."""
 
 META_NAME = "megatron_rl.json"
 HF_SIDE_DIR = "hf"
@@ -96,7 +101,6 @@ def save_checkpoint(
     RNG, data position, ...). `sharded_strategy` is passed to `dist_checkpointing.save` (None: Megatron's
     default torch_dist writer), e.g. the conversion tool's in-process writer.
     """
-    from megatron.core import dist_checkpointing
 
     if optimizer is not None and optimizer_format not in OPTIMIZER_FORMATS:
         raise ValueError(f"optimizer_format={optimizer_format!r}: allowed {OPTIMIZER_FORMATS}")
@@ -145,7 +149,6 @@ def load_checkpoint(model, folder: str | Path, optimizer=None) -> dict | None:
     Optimizer state saved as `dp_reshardable` loads only at the saving TP/PP/EP layout. Returns the `extra`
     dictionary saved beside it, or None.
     """
-    from megatron.core import dist_checkpointing
 
     folder = Path(folder)
     optimizer_format = read_meta(folder).get(OPTIMIZER_FORMAT_KEY, "")
@@ -174,3 +177,36 @@ def copy_hf_side(folder: str | Path, out: str | Path) -> None:
     side = Path(folder) / HF_SIDE_DIR
     for path in side.iterdir():
         shutil.copy2(path, Path(out) / path.name)
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch CPU, CUDA when present, Python); numbers and tensors only."""
+    state = {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = json.loads(state["python"])
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_rng(folder: str | Path, rank: int) -> None:
+    """(Every rank) save this rank's RNG state into the checkpoint."""
+    path = Path(folder) / RNG_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), path / f"rank{rank}.pt")
+
+
+def load_rng(folder: str | Path, rank: int) -> bool:
+    """(Every rank) restore this rank's RNG state; False when the checkpoint has none for it (another layout)."""
+    path = Path(folder) / RNG_DIR / f"rank{rank}.pt"
+    if not path.exists():
+        return False
+    set_rng_state(torch.load(path, weights_only=True))
+    return True

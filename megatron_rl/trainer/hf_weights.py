@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from megatron_rl.models import ModelArch, ModelFamily, ParamRule, sharding
 from megatron_rl.models.base import CheckpointError
@@ -129,8 +130,6 @@ def load_hf_into_model(
     with torch.no_grad():
         items = list(local_tensors(model).items())
         if progress:
-            from tqdm import tqdm
-
             items = tqdm(items, desc=f"loading {ckpt.folder.name}", unit="tensor")
         for local, target in items:
             rule = rule_for(table, canonical_name(local, layer_offset, expert_offset), arch)

@@ -7,6 +7,7 @@ no rank ever materialises the full [tokens x vocab] logits when TP > 1.
 from __future__ import annotations
 
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.parallel.groups import ParallelContext
 
@@ -61,7 +62,6 @@ def forward_logprobs(
 
     Every rank must pass the same `tokens`. The sequence length must be divisible by TP (sequence parallel).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batch, seq = tokens.shape
     if seq % ctx.layout.tp:

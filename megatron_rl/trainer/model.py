@@ -6,8 +6,12 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_rl.models import ModelArch, ModelFamily
+from megatron_rl.models.base import rope_theta
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.parallel.layout import check_layout_fits_model
 
@@ -53,7 +57,6 @@ def make_transformer_config(
     family: ModelFamily, arch: ModelArch, hf_config: dict, ctx: ParallelContext, opts: BuildOptions
 ):
     """Translate the family's config kwargs into a (MLA)TransformerConfig for this layout, with CPU-safe fusions."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     kwargs = dict(family.megatron_config_kwargs(arch, hf_config))
     kwargs["activation_func"] = _ACTIVATIONS[kwargs.pop("activation_func")]
@@ -107,10 +110,6 @@ def build_gpt_model(
     family: ModelFamily, arch: ModelArch, hf_config: dict, ctx: ParallelContext, opts: BuildOptions | None = None
 ):
     """Build this rank's GPTModel (its pipeline stage, TP/EP shards) for the given family and checkpoint config."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from megatron_rl.models.base import rope_theta
 
     opts = opts or BuildOptions()
     check_layout_fits_model(ctx.layout, arch)

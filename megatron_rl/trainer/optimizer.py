@@ -19,7 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.config.schema import OptimizerConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+from megatron_rl.config import OptimizerConfig
 
 _DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -38,7 +48,6 @@ class TrainingState:
 
 def unwrap_model(model):
     """The GPTModel inside a (possibly DDP-wrapped) model."""
-    from megatron.core.distributed import DistributedDataParallel
 
     while isinstance(model, DistributedDataParallel):
         model = model.module
@@ -55,7 +64,6 @@ def complete_tensor_parallel_attributes(model) -> int:
     came out 28% low on a tiny Qwen3-MoE (megatron-core 0.16.1). Here the marks are set as the initialisers
     would: dim 0 for column-parallel and embedding weights, dim 1 for row-parallel weights.
     """
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     marked = 0
     for module in unwrap_model(model).modules():
@@ -92,7 +100,6 @@ def mark_expert_params(model) -> int:
     Marking them `allreduce=False`, as EP > 1 does, is equivalent when ETP == TP (the expert data-parallel group
     is then the dense one, with the same 1/DP gradient scaling) and fixes both.
     """
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     marked = 0
     for module in unwrap_model(model).modules():
@@ -110,11 +117,6 @@ def wrap_ddp(model, use_distributed_optimizer: bool, check_for_nan: bool = False
     once per step (no overlap with backward). With `use_distributed_optimizer` the reduction is a reduce-scatter
     and each data-parallel rank updates its shard of the parameters, then all-gathers them.
     """
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
 
     complete_tensor_parallel_attributes(model)
     mark_expert_params(model)
@@ -136,7 +138,6 @@ def wrap_ddp(model, use_distributed_optimizer: bool, check_for_nan: bool = False
 
 def megatron_optimizer_config(cfg: OptimizerConfig, model_config):
     """Megatron's OptimizerConfig for the project's optimizer settings and the model's precision."""
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
     return MegatronOptimizerConfig(
         optimizer="adam",
@@ -157,7 +158,6 @@ def megatron_optimizer_config(cfg: OptimizerConfig, model_config):
 
 def build_optimizer(ddp_model, cfg: OptimizerConfig):
     """Megatron's optimizer over a DDP-wrapped model; sets the model config's `grad_scale_func`."""
-    from megatron.core.optimizer import get_megatron_optimizer
 
     model_config = unwrap_model(ddp_model).config
     optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, model_config), [ddp_model])
@@ -171,7 +171,6 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, total_steps: int):
 
     Megatron's convention: the scheduler counts completed updates, so with warm-up the first update uses lr 0.
     """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if cfg.lr_decay_style not in _DECAY_STYLES:
         raise ValueError(f"optimizer.lr_decay_style={cfg.lr_decay_style!r}: allowed {_DECAY_STYLES}")

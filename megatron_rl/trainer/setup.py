@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.models import ModelArch, ModelFamily, family_for_hf_config, read_hf_config
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.parallel.groups import ParallelContext, init_distributed
 from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.trainer.checkpoint import load_checkpoint, read_hf_config_of, read_meta
+from megatron_rl.trainer.hf_weights import load_hf_into_model
 from megatron_rl.trainer.model import BuildOptions, build_gpt_model
 
 
@@ -44,8 +47,6 @@ def bring_up_from_hf(
     hf_dir: str, layout: ParallelLayout, opts: BuildOptions | None = None, timeout_s: float = 600.0
 ) -> TrainerRank:
     """Build this rank's model and load a HF checkpoint folder into it."""
-    from megatron_rl.models.hf_checkpoint import HFCheckpoint
-    from megatron_rl.trainer.hf_weights import load_hf_into_model
 
     opts = opts or BuildOptions(init_weights=False)
     rank = bring_up(read_hf_config(hf_dir), layout, opts, timeout_s)
@@ -55,7 +56,6 @@ def bring_up_from_hf(
 
 def bring_up_from_mcore(mcore_dir: str, layout: ParallelLayout, timeout_s: float = 600.0) -> TrainerRank:
     """Build this rank's model and load a distributed checkpoint (saved at any layout) into it."""
-    from megatron_rl.trainer.checkpoint import load_checkpoint, read_hf_config_of, read_meta
 
     meta = read_meta(mcore_dir)
     rank = bring_up(

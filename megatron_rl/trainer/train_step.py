@@ -34,13 +34,14 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from megatron_rl.algorithms.importance import importance_weights
 from megatron_rl.algorithms.kl import kl_penalty
 from megatron_rl.algorithms.losses import policy_loss
 from megatron_rl.algorithms.metrics import as_bool_mask, masked_count, masked_mean, mismatch_metrics
-from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.config import AlgorithmConfig
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import forward_logprobs, model_inputs, stage_padding_mask
@@ -180,7 +181,6 @@ def forward_backward(
 
     Returns (this share's loss, its current logprobs `[B, S-1]`) on last-stage ranks, (None, None) elsewhere.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     norms = global_normalizers(batch, algo, ctx) if ctx.is_last_stage else None
     items = _micro_batches(batch, ctx, micro_batch_size, model)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_rl.models import ModelArch, ModelFamily, ParamRule, sharding
 from megatron_rl.models.naming import canonical_name
@@ -22,7 +23,6 @@ from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_fo
 
 def expert_data_parallel_rank(ctx: ParallelContext) -> int:
     """This rank's index among the replicas of its experts."""
-    from megatron.core import parallel_state as ps
 
     return ps.get_expert_data_parallel_rank()
 

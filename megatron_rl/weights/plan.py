@@ -7,6 +7,7 @@ small header that both sides check. No process groups here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 from megatron_rl.models.base import ModelArch, ParamRule
@@ -279,14 +280,12 @@ def plan_summary(buckets: list[BucketSpec]) -> dict:
 
 def plan_to_json(buckets: list[BucketSpec]) -> str:
     """The plan as JSON (it travels to engine workers through vLLM's collective_rpc)."""
-    import json
 
     return json.dumps([dataclasses.asdict(b) for b in buckets])  # segments as [start, end, slot] dicts
 
 
 def plan_from_json(text: str) -> list[BucketSpec]:
     """Inverse of `plan_to_json`."""
-    import json
 
     buckets = []
     for b in json.loads(text):

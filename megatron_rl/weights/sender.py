@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from megatron_rl.models import ModelArch, ModelFamily
 from megatron_rl.models.naming import canonical_name
-from megatron_rl.parallel.groups import ParallelContext, compute_device
+from megatron_rl.parallel.devices import compute_device
+from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords, uses_te_spec
 from megatron_rl.weights import buckets as bucket_io
 from megatron_rl.weights.gather import is_owner, iter_hf_tensors

@@ -7,10 +7,15 @@ buckets on its own weight group. Every remote call and transfer has a deadline, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
+import ray
+import torch
 import torch.distributed as dist
 
+from megatron_rl.errors import UserError
+from megatron_rl.parallel.devices import compute_device
 from megatron_rl.trainer.setup import TrainerRank
 from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
 from megatron_rl.weights.sender import build_plan, send_update
@@ -27,7 +32,7 @@ from megatron_rl.weights.transport import (
 )
 
 
-class SyncError(RuntimeError):
+class SyncError(UserError, RuntimeError):
     """A weight sync failed; the message names the engine(s) and what went wrong."""
 
 
@@ -42,14 +47,12 @@ class EngineHandle:
 
 def engine_handles(engines: list, coordinator: bool) -> list[EngineHandle]:
     """Handles of the named engines `[(name, workers), ...]`; only the coordinator (rank 0) looks up their actors."""
-    import ray
 
     return [EngineHandle(name, ray.get_actor(name) if coordinator else None, workers) for name, workers in engines]
 
 
 def ray_get_named(futures: dict[str, object], timeout_s: float, what: str) -> dict[str, object]:
     """ray.get each engine's future within one deadline; raise SyncError naming every engine that failed."""
-    import ray
 
     deadline = time.monotonic() + timeout_s
     results, failures = {}, []
@@ -212,7 +215,6 @@ def _agreed(engine_reports: dict[str, dict], key: str) -> dict:
 
 
 def _groups_json(specs: list[GroupSpec]) -> str:
-    import json
 
     return json.dumps([s.to_dict() for s in specs])
 
@@ -248,9 +250,6 @@ _RAW_SEND_BUFFER: list = []
 
 def _raw_send_buffer(nbytes: int):
     """The baseline's send buffer of at least `nbytes`, made once (filled, so its pages exist) and kept."""
-    import torch
-
-    from megatron_rl.parallel.groups import compute_device
 
     if not _RAW_SEND_BUFFER or _RAW_SEND_BUFFER[0].numel() < nbytes:
         _RAW_SEND_BUFFER[:] = [torch.ones(nbytes, dtype=torch.uint8, device=compute_device())]

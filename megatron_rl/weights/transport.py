@@ -19,10 +19,12 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.errors import UserError
+
 _PREFIX = "mrl-weights"
 
 
-class TransportError(RuntimeError):
+class TransportError(UserError, RuntimeError):
     """A weight-transfer group could not form or a transfer failed; the message names who is missing."""
 
 

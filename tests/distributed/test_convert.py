@@ -15,10 +15,10 @@ from megatron_rl.models.base import CheckpointError, ParamRule
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.parallel.layout import LayoutError, ParallelLayout
 from megatron_rl.parallel.torchrun import LaunchError
-from megatron_rl.tools.compare import compare_hf_checkpoints
-from megatron_rl.tools.convert import hf_to_mcore, mcore_to_hf
-from megatron_rl.tools.parity import hf_logprobs, megatron_logprobs, parity_tokens
 from megatron_rl.trainer.hf_weights import build_local_tensor, read_direct
+from megatron_rl.verify.parity import hf_logprobs, megatron_logprobs, parity_tokens
+from megatron_rl.verify.roundtrip import compare_hf_checkpoints
+from megatron_rl.weights.convert import hf_to_mcore, mcore_to_hf
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 
 from megatron_rl.rollout.engine import EngineSpec, GenerationRequest  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
-from megatron_rl.tools.parity import hf_logprobs  # noqa: E402
+from megatron_rl.verify.parity import hf_logprobs  # noqa: E402
 
 TEMPERATURE = 0.7
 

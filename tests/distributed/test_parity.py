@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.tools.parity import run_parity, run_parity_many
+from megatron_rl.verify.parity import run_parity, run_parity_many
 
 MOE_LAYOUTS = {
     "1x1x1": ParallelLayout(),
@@ -58,7 +58,7 @@ def test_logprobs_at_the_sampling_temperature_match_transformers_at_tp2(tiny_dir
     """The trainer's logprobs at temperature 0.7 (the engines' sampling distribution) are transformers' with its
     logits divided by 0.7, through the vocab-parallel cross entropy of TP2; far from the untempered ones."""
     from megatron_rl.models import family_for_hf_config, read_hf_config
-    from megatron_rl.tools.parity import hf_logprobs, megatron_logprobs_many, parity_tokens
+    from megatron_rl.verify.parity import hf_logprobs, megatron_logprobs_many, parity_tokens
 
     hf = tiny_dir("qwen3_moe")
     config = read_hf_config(hf)

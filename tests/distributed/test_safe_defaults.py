@@ -15,6 +15,8 @@ from megatron_rl.weights.transport import WeightGroup
 PROBE = textwrap.dedent(
     """
     import json, os, psutil
+    from megatron_rl.rollout.ray_env import prefer_loopback_ray
+    prefer_loopback_ray()  # what every entry point does before anything imports ray
     from megatron_rl.rollout.ray_utils import start_local_ray
     start_local_ray(num_cpus=1)
     import ray
@@ -50,6 +52,15 @@ def test_local_ray_listens_on_loopback_only():
     assert any(name == "gcs_server" for name, _, _ in listening), listening
     exposed = [entry for entry in listening if not _is_loopback(entry[1])]
     assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_local_ray_refuses_to_start_in_cluster_mode():
+    """Ray imported before the loopback switch (an entry point that forgot it) would listen on every interface."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    code = "from megatron_rl.rollout.ray_utils import start_local_ray; start_local_ray(num_cpus=1)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "would listen on every interface" in out.stderr and "prefer_loopback_ray" in out.stderr
 
 
 def test_weight_store_listens_on_the_configured_host_only():

@@ -13,11 +13,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from megatron_rl import recovery  # noqa: E402
-from megatron_rl.recovery import EngineSupervisor  # noqa: E402
+from megatron_rl.rollout import supervisor as supervisor_module  # noqa: E402
 from megatron_rl.rollout.buffer import make_buffer_actor  # noqa: E402
 from megatron_rl.rollout.control import make_control_actor  # noqa: E402
 from megatron_rl.rollout.driver import GenerationDriver  # noqa: E402
+from megatron_rl.rollout.supervisor import EngineSupervisor  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
@@ -79,7 +79,7 @@ def test_an_engine_killed_while_idle_is_found_restarted_and_published(local_ray)
 
 
 def test_probe_marks_a_dead_vllm_down_and_leaves_busy_engines_alone(local_ray, monkeypatch):
-    monkeypatch.setattr(recovery, "PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(supervisor_module, "PROBE_TIMEOUT_S", 2.0)
     engines = {"dead": IdleEngine.remote("vllm_dead"), "ok": IdleEngine.remote()}
     engines.update({f"busy-{i}": IdleEngine.remote("slow") for i in range(3)})
     ray.get([actor.pid.remote() for actor in engines.values()], timeout=60)  # started: a probe times only answers
@@ -87,7 +87,7 @@ def test_probe_marks_a_dead_vllm_down_and_leaves_busy_engines_alone(local_ray, m
     start = time.monotonic()
     assert asyncio.run(supervisor.probe()) == ["dead"]
     # One round waits PROBE_TIMEOUT_S once, for all engines at once (one by one, three busy ones took 6 s).
-    assert time.monotonic() - start < 2 * recovery.PROBE_TIMEOUT_S
+    assert time.monotonic() - start < 2 * supervisor_module.PROBE_TIMEOUT_S
     assert driver.down == {"dead": "health probe: vLLM inside the actor is dead"}
 
 

@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.parallel.torchrun import run_torchrun
 
-WORKER = "megatron_rl.tools.train_step_worker"
+WORKER = "tests.support.train_step_worker"
 BATCH, SEQ, VOCAB = 8, 32, 512
 LOSS_TOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
@@ -45,7 +45,7 @@ def make_batch(hf_dir: str, seed: int, noise: float = 0.3, positive: bool = Fals
 
     The last sequence has an empty response (it must count for nothing); advantages are random (or all +1).
     """
-    from megatron_rl.tools.parity import hf_logprobs
+    from megatron_rl.verify.parity import hf_logprobs
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
@@ -325,7 +325,7 @@ def test_global_normaliser_decomposition(algo):
     """No processes: the micro-batch shares (2 DP shares x micro-batches, global denominators) sum to the
     whole-batch `policy_loss` (+ KL), and so do their gradients, also when a masking correction drops tokens."""
     from megatron_rl.algorithms.losses import policy_loss
-    from megatron_rl.config.schema import AlgorithmConfig
+    from megatron_rl.config import AlgorithmConfig
     from megatron_rl.trainer.batch import TrainBatch, data_parallel_shard
     from megatron_rl.trainer.train_step import local_counts, micro_batch_loss, normalizers_from_counts
 

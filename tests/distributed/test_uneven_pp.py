@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
+from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.tools.make_tiny import make_tiny
 
 TOLERANCE = 1e-4
 
@@ -57,8 +57,8 @@ def test_uneven_layout_that_does_not_divide_is_refused_by_the_cli(uneven_dirs):
 
 def test_convert_round_trip_across_uneven_layouts(uneven_dirs, tmp_path):
     """hf -> mcore saved at 1+2 layers per stage, loaded at 2+1 and gathered back to HF: bit-identical."""
-    from megatron_rl.tools.compare import compare_hf_checkpoints
-    from megatron_rl.tools.convert import hf_to_mcore, mcore_to_hf
+    from megatron_rl.verify.roundtrip import compare_hf_checkpoints
+    from megatron_rl.weights.convert import hf_to_mcore, mcore_to_hf
 
     hf_dir = uneven_dirs["qwen3_moe"]
     hf_to_mcore(hf_dir, str(tmp_path / "mcore"), ParallelLayout(pp=2, first_stage_layers=1), timeout_s=600)

@@ -120,7 +120,7 @@ def engine_main(ckpt: str, out_path: str, update: str | None) -> None:
         enforce_eager=True,
         max_model_len=256,
         seed=0,
-        worker_extension_cls="megatron_rl.weights.vllm_worker_ext.WeightUpdateExtension",
+        worker_extension_cls="megatron_rl.weights.engine.worker.WeightUpdateExtension",
     )
     out: dict = {"describe": llm.collective_rpc("mrl_describe_weight_loader")[0], "before": _logprobs(llm)}
     if update:
@@ -163,7 +163,7 @@ def _diff(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
 
 def _run_pair(family: str, tmp_path: Path, overrides: dict | None = None) -> tuple[dict, dict]:
     """(in-place engine report, fresh engine report) for tiny checkpoints of `family`, seeds 0 and 1."""
-    from megatron_rl.tools.make_tiny import make_tiny
+    from megatron_rl.models.tiny import make_tiny
 
     old = str(make_tiny(family, tmp_path / "seed0", seed=0, overrides=overrides))
     new = str(make_tiny(family, tmp_path / "seed1", seed=1, overrides=overrides))
@@ -242,7 +242,7 @@ class _NarrowingModel(torch.nn.Module):
 def test_loader_refuses_what_vllm_would_skip_or_narrow():
     """Without an engine: the copy accounting and the expected-shape table name the offending tensor."""
     pytest.importorskip("vllm")
-    from megatron_rl.weights.vllm_loader import InPlaceWeightLoader, WeightLoadError
+    from megatron_rl.weights.engine.loader import InPlaceWeightLoader, WeightLoadError
 
     model = _NarrowingModel()
     loader = InPlaceWeightLoader(model, mode="plain")
@@ -257,7 +257,7 @@ def test_loader_refuses_what_vllm_would_skip_or_narrow():
 def test_direct_routes_only_for_whole_tensors_into_whole_expert_rows():
     """Without an engine: which of vLLM's copies into a [experts, rows, cols] staging tensor become routes."""
     pytest.importorskip("vllm")
-    from megatron_rl.weights.vllm_loader import _Restored, _route_of
+    from megatron_rl.weights.engine.loader import _Restored, _route_of
 
     staging = torch.zeros(4, 6, 3)
     target = _Restored("layers.0.mlp.experts", "w13_weight", torch.nn.Module(), staging, staging, staging.numel())
@@ -276,7 +276,7 @@ def test_direct_routes_only_for_whole_tensors_into_whole_expert_rows():
 def test_dense_routes_are_row_ranges_of_a_2d_parameter():
     """Without an engine: a k projection copied into rows 4..5 of a fused [q+k+v, hidden] staging parameter."""
     pytest.importorskip("vllm")
-    from megatron_rl.weights.vllm_loader import _Restored, _route_of
+    from megatron_rl.weights.engine.loader import _Restored, _route_of
 
     staging = torch.zeros(8, 3)
     target = _Restored("layers.0.self_attn.qkv_proj", "weight", torch.nn.Module(), staging, staging, staging.numel())

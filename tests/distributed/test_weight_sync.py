@@ -8,7 +8,7 @@ import pytest
 
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.parallel.torchrun import LaunchError
-from megatron_rl.tools.sync_check import run_sync_check
+from megatron_rl.verify.sync import run_sync_check
 
 
 def _check_parity(report):

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.metrics import read_metrics
+from megatron_rl.metrics.logger import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 
@@ -58,7 +58,7 @@ def _trainer_rank(launcher_pid: int, rank: int) -> psutil.Process | None:
     """The torchrun worker process of `rank` under the launcher (not the torchrun agent itself)."""
     for proc in _descendants(launcher_pid):
         try:
-            if "megatron_rl.orchestrator" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
+            if "megatron_rl.trainer.loop" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
                 return proc
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.metrics import read_metrics
-from megatron_rl.tools.train import run_training
+from megatron_rl.launcher import run_training
+from megatron_rl.metrics.logger import read_metrics
 
 pytestmark = pytest.mark.e2e
 

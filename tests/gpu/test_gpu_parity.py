@@ -39,7 +39,7 @@ def _exact_fp32(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "qwen3"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_gpu_parity(family, name, tiny_dir):
-    from megatron_rl.tools.parity import run_parity
+    from megatron_rl.verify.parity import run_parity
 
     layout = LAYOUTS[name]
     if layout.world_size > _gpus():
@@ -54,7 +54,7 @@ def test_gpu_uses_nccl_and_te_when_present(tmp_path):
     """The trainer picks NCCL on GPU, and the TE spec exactly when Transformer Engine imports."""
     import torch
 
-    from megatron_rl.parallel.groups import backend_for_device
+    from megatron_rl.parallel.devices import backend_for_device
     from megatron_rl.trainer.model import te_available
 
     assert backend_for_device() == "nccl"

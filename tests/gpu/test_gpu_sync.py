@@ -20,7 +20,7 @@ def test_gpu_sync_parity(tiny_dir, monkeypatch):
     if torch.cuda.device_count() < 2:
         pytest.skip("trainer and engine need one GPU each for an NCCL weight group")
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
-    from megatron_rl.tools.sync_check import run_sync_check
+    from megatron_rl.verify.sync import run_sync_check
 
     report = run_sync_check(tiny_dir("qwen3_moe"), ParallelLayout(), engines=1, syncs=2, inflight_requests=2)
     assert report["max_abs_logprob_diff"] <= 1e-3, report

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_rl.config.schema import BufferConfig
+from megatron_rl.config import BufferConfig
 from megatron_rl.rollout.buffer import AccountingError, RolloutBuffer, RolloutBufferError
 from megatron_rl.rollout.tasks import PromptStream, Task
 from megatron_rl.rollout.types import Group, Sample

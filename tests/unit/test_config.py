@@ -95,7 +95,7 @@ def test_keeping_stale_groups_needs_an_importance_correction():
 
 
 def test_a_missing_checkpoint_is_an_error_unless_a_tiny_one_is_asked_for(tmp_path):
-    from megatron_rl.tools.train import ensure_model
+    from megatron_rl.launcher import ensure_model
 
     real = load_config("configs/qwen3_30b_a3b.yaml", [f"model.hf_path={tmp_path}/Qwen3-30B-A3B"])
     with pytest.raises(FileNotFoundError, match="no config.json there"):

@@ -151,7 +151,7 @@ def check_job(cmds, trainer_hosts: list[str], inference_hosts: list[str], gpus: 
     assert option(targs, "--rdzv-backend") == "c10d"
     assert option(targs, "--rdzv-endpoint") == f"{trainer_hosts[0]}:29500"
     assert option(targs, "--rdzv-id") == "4242"
-    assert targs[-3:-1] == ["-m", "megatron_rl.orchestrator"] and targs[-1].endswith("trainer_spec.json")
+    assert targs[-3:-1] == ["-m", "megatron_rl.trainer.loop"] and targs[-1].endswith("trainer_spec.json")
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in cmd and "launch/node_env.sh" in " ".join(cmd)
 
     # Order: Ray before the launcher, the spec before the trainer.
@@ -273,7 +273,7 @@ def test_torchrun_sh_one_node():
     trainer = one(cmds, "trainer")
     targs = torchrun_args(trainer)
     assert "--standalone" in targs and option(targs, "--nproc-per-node") == "2"  # EP2 on 2 processes
-    assert targs[-3:] == ["-m", "megatron_rl.orchestrator", "runs/quickstart/trainer_spec.json"]
+    assert targs[-3:] == ["-m", "megatron_rl.trainer.loop", "runs/quickstart/trainer_spec.json"]
     assert not [w for w in trainer if w.startswith("CUDA_VISIBLE_DEVICES=")]
     assert one(cmds, "ray-stop")[2] == "stop"
 

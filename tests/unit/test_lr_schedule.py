@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_rl.config.schema import OptimizerConfig  # noqa: E402
+from megatron_rl.config import OptimizerConfig  # noqa: E402
 from megatron_rl.trainer.optimizer import build_scheduler  # noqa: E402
 
 

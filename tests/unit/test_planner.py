@@ -56,7 +56,7 @@ def test_parameter_counts_equal_transformers_models(family):
 
 
 def test_tiny_vocab_is_make_tiny_s():
-    from megatron_rl.tools.make_tiny import TINY_VOCAB as MADE
+    from megatron_rl.models.tiny import TINY_VOCAB as MADE
 
     assert TINY_VOCAB == MADE
 

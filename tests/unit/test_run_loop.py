@@ -10,16 +10,17 @@ import types
 
 import pytest
 
-from megatron_rl import orchestrator
+from megatron_rl import launcher
 from megatron_rl.config import load_config
-from megatron_rl.orchestrator import BatchWaitError, Run, collective_timeout_s
+from megatron_rl.config.trainer import COLLECTIVE_TIMEOUT_MARGIN_S
 from megatron_rl.rollout.driver import GenerationError
 from megatron_rl.run_state import ResumeError, mark_latest, step_dir, write_run_state
-from megatron_rl.tools import train
+from megatron_rl.trainer import learner, loop
+from megatron_rl.trainer.loop import BatchWaitError, TrainerLoop
 from tests.unit.test_buffer import fill, make_buffer
 
 # ---------------------------------------------------------------------------------------------------------------
-# Trainer side (orchestrator.py): Ray and torch.distributed replaced by in-process stand-ins.
+# Trainer side (trainer/loop.py): Ray and torch.distributed replaced by in-process stand-ins.
 
 
 class Local:
@@ -65,7 +66,7 @@ def broadcasts(monkeypatch):
 
     monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)
     made = Broadcasts()
-    monkeypatch.setattr(orchestrator.dist, "broadcast_object_list", made)
+    monkeypatch.setattr(loop.dist, "broadcast_object_list", made)
     return made
 
 
@@ -73,9 +74,9 @@ def _cfg(*overrides: str):
     return load_config("configs/quickstart.yaml", ["prompts_per_step=2", *overrides])
 
 
-def _run(cfg, buffer=None, rank0: bool = True, step: int = 0) -> Run:
-    """A Run of one rank without its trainer, engines or Ray actors."""
-    run = Run.__new__(Run)
+def _run(cfg, buffer=None, rank0: bool = True, step: int = 0) -> TrainerLoop:
+    """A TrainerLoop of one rank without its learner, engines or Ray actors."""
+    run = TrainerLoop.__new__(TrainerLoop)
     run.cfg, run.is_rank0, run.step, run.saved_step, run.end_message = cfg, rank0, step, step, ""
     run.buffer = Local(buffer) if buffer is not None else None
     run.control = Local(Control())
@@ -84,8 +85,6 @@ def _run(cfg, buffer=None, rank0: bool = True, step: int = 0) -> Run:
 
 
 def test_collectives_wait_longer_than_rank0_waits_for_a_batch(monkeypatch):
-    from megatron_rl.trainer import optimizer, setup
-
     cfg = _cfg("trainer.timeout_s=300", "algorithm.kl_coef=0")
     seen = {}
 
@@ -93,11 +92,11 @@ def test_collectives_wait_longer_than_rank0_waits_for_a_batch(monkeypatch):
         seen["timeout_s"] = timeout_s
         return types.SimpleNamespace(model=None)
 
-    monkeypatch.setattr(setup, "bring_up_from_hf", bring_up_from_hf)
-    monkeypatch.setattr(optimizer, "build_training", lambda *a: None)
-    orchestrator.Trainer(cfg)
-    assert seen["timeout_s"] == collective_timeout_s(cfg) == 300 + orchestrator.COLLECTIVE_TIMEOUT_MARGIN_S
-    assert orchestrator.COLLECTIVE_TIMEOUT_MARGIN_S >= 60  # covers rank 0's per-step calls and last get_batch
+    monkeypatch.setattr(learner, "bring_up_from_hf", bring_up_from_hf)
+    monkeypatch.setattr(learner, "build_training", lambda *a: None)
+    learner.Learner(cfg)
+    assert seen["timeout_s"] == cfg.trainer.collective_timeout_s == 300 + COLLECTIVE_TIMEOUT_MARGIN_S
+    assert COLLECTIVE_TIMEOUT_MARGIN_S >= 60  # covers rank 0's per-step calls and last get_batch
 
 
 def test_rank0_without_a_batch_tells_every_rank_its_error(broadcasts):
@@ -157,10 +156,10 @@ def test_a_group_that_arrives_as_the_stream_finishes_still_makes_the_batch(broad
 
 def test_ending_out_of_prompts_checkpoints_the_last_step_once(monkeypatch, caplog, broadcasts):
     saved = []
-    monkeypatch.setattr(Run, "save_checkpoint", lambda self, step: saved.append(step))
+    monkeypatch.setattr(TrainerLoop, "save_checkpoint", lambda self, step: saved.append(step))
     run = _run(_cfg("checkpoint.save_dir=/ckpt", "task.epochs=2", "steps=50"), step=7)
     run.saved_step = 6
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.orchestrator"):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.trainer.loop"):
         run.end_out_of_prompts()
     assert saved == [7]
     assert "prompt stream exhausted after step 7 (task.epochs=2)" in caplog.text
@@ -175,11 +174,11 @@ def test_ending_out_of_prompts_checkpoints_the_last_step_once(monkeypatch, caplo
     assert saved == [7]
 
 
-def test_train_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
+def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
     class FakeRun:
         def __init__(self, cfg, spec):
             self.step, self.batches, self.calls = 0, 2, []
-            self.trainer = types.SimpleNamespace(step=lambda batch: {"loss": 0.0})
+            self.learner = types.SimpleNamespace(step=lambda batch: {"loss": 0.0})
             self.sync = types.SimpleNamespace(push=lambda step: {"seconds": 0.0})
 
         def next_batch(self):
@@ -198,14 +197,14 @@ def test_train_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
             made.append(self)
 
     made: list[FakeRun] = []
-    monkeypatch.setattr(orchestrator, "Run", FakeRun)
-    monkeypatch.setattr(orchestrator, "to_train_batch", lambda groups, cfg, trainer: groups)
-    orchestrator.train_loop(_cfg("steps=5"), {})
+    monkeypatch.setattr(loop, "TrainerLoop", FakeRun)
+    monkeypatch.setattr(loop, "to_train_batch", lambda groups, cfg, learner: groups)
+    loop.run_loop(_cfg("steps=5"), {})
     assert made[0].calls == [("step", 1), ("step", 2), ("out of prompts", 2), ("close", 2)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launcher side (tools/train.py).
+# Launcher side (launcher.py).
 
 
 class Stoppable:
@@ -242,7 +241,7 @@ class FakeTrainer:
 def test_generation_is_cancelled_not_awaited_once_the_trainer_is_done():
     driver, supervisor, trainer = Stoppable(), Stoppable(), FakeTrainer(finished_after=1)
     start = time.monotonic()
-    asyncio.run(train._drive(driver, supervisor, trainer, poll_s=0.01))
+    asyncio.run(launcher._drive(driver, supervisor, trainer, poll_s=0.01))
     assert time.monotonic() - start < 5
     assert driver.cancelled and supervisor.cancelled and driver.stopped and supervisor.stopped
     assert not trainer.stopped  # its own outcome is for trainer.check()
@@ -250,8 +249,8 @@ def test_generation_is_cancelled_not_awaited_once_the_trainer_is_done():
 
 def test_a_generation_error_after_the_trainer_ended_leaves_the_verdict_to_the_trainer(caplog):
     driver, supervisor, trainer = Stoppable(RuntimeError("engine gone")), Stoppable(), FakeTrainer(finished_after=1)
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.tools.train"):
-        asyncio.run(train._drive(driver, supervisor, trainer, poll_s=0.01))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.launcher"):
+        asyncio.run(launcher._drive(driver, supervisor, trainer, poll_s=0.01))
     assert "RuntimeError: engine gone (after the trainer's end)" in caplog.text
     assert supervisor.cancelled and not trainer.stopped
 
@@ -259,7 +258,7 @@ def test_a_generation_error_after_the_trainer_ended_leaves_the_verdict_to_the_tr
 def test_a_generation_error_while_the_trainer_runs_stops_it():
     driver, supervisor, trainer = Stoppable(RuntimeError("engine gone")), Stoppable(), FakeTrainer(10**9)
     with pytest.raises(GenerationError, match="generation failed: RuntimeError: engine gone"):
-        asyncio.run(train._drive(driver, supervisor, trainer, poll_s=0.01))
+        asyncio.run(launcher._drive(driver, supervisor, trainer, poll_s=0.01))
     assert trainer.stopped and supervisor.cancelled
 
 
@@ -272,11 +271,11 @@ def _with_checkpoint(save_dir) -> None:
 
 def test_a_fresh_run_refuses_a_save_dir_with_another_runs_latest(tmp_path):
     save_dir = tmp_path / "ckpt"
-    assert train.resume_point(_cfg(f"checkpoint.save_dir={save_dir}")) == (None, None)  # no folder yet
+    assert launcher.resume_point(_cfg(f"checkpoint.save_dir={save_dir}")) == (None, None)  # no folder yet
     _with_checkpoint(save_dir)
     with pytest.raises(ResumeError, match=rf"{save_dir}.*step_00000004.*--resume.*another checkpoint.save_dir"):
-        train.resume_point(_cfg(f"checkpoint.save_dir={save_dir}"))
+        launcher.resume_point(_cfg(f"checkpoint.save_dir={save_dir}"))
     assert (save_dir / "latest").exists() and step_dir(save_dir, 4).exists()  # nothing deleted
-    folder, state = train.resume_point(_cfg(f"checkpoint.save_dir={save_dir}", "checkpoint.resume=true"))
+    folder, state = launcher.resume_point(_cfg(f"checkpoint.save_dir={save_dir}", "checkpoint.resume=true"))
     assert folder == step_dir(save_dir, 4) and state["step"] == 4
-    assert train.resume_point(_cfg()) == (None, None)  # no saving: nothing to refuse
+    assert launcher.resume_point(_cfg()) == (None, None)  # no saving: nothing to refuse

@@ -14,15 +14,14 @@ from megatron_rl.run_state import (
     ResumeError,
     is_due,
     latest_checkpoint,
-    load_rng,
     mark_latest,
     read_run_state,
     refuse_used_save_dir,
-    save_rng,
     step_dir,
     truncate_metrics,
     write_run_state,
 )
+from megatron_rl.trainer.checkpoint import load_rng, save_rng
 
 
 def test_checkpoint_schedule():

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from megatron_rl.config.schema import TaskConfig
+from megatron_rl.config import TaskConfig
 from megatron_rl.rollout.buffer import RolloutBuffer
 from megatron_rl.rollout.tasks import (
     CopyTask,
@@ -30,7 +30,7 @@ from megatron_rl.rollout.types import Group, Sample
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from megatron_rl.tools.make_tiny import build_tokenizer
+    from megatron_rl.models.tiny import build_tokenizer
 
     return build_tokenizer()
 
@@ -279,7 +279,7 @@ def test_prompt_stream_of_a_generated_task_restores_cheaply(tokenizer):
 
 
 def test_make_task_loads_the_tokenizer_of_a_checkpoint_folder(tmp_path):
-    from megatron_rl.tools.make_tiny import save_tokenizer
+    from megatron_rl.models.tiny import save_tokenizer
 
     save_tokenizer(tmp_path)
     task = make_task(TaskConfig(name="count"), str(tmp_path))

@@ -8,7 +8,7 @@ KILLED_RANK_LOG = """\
 [rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:32666: Connection reset by peer.
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-megatron_rl.orchestrator FAILED
+megatron_rl.trainer.loop FAILED
 ------------------------------------------------------------
 Failures:
 [1]:
@@ -35,7 +35,7 @@ def test_a_killed_rank_is_named_not_the_rank_that_lost_its_peer(tmp_path):
     assert first_failed_rank(KILLED_RANK_LOG) == "rank 1 exited -9: Signal 9 (SIGKILL) received by PID 30851"
     log = tmp_path / "trainer.log"
     log.write_text(KILLED_RANK_LOG)
-    message = str(log_failure(log, "megatron_rl.orchestrator", 1))
+    message = str(log_failure(log, "megatron_rl.trainer.loop", 1))
     assert message.splitlines()[1] == "first failure: rank 1 exited -9: Signal 9 (SIGKILL) received by PID 30851"
     assert "root cause: [rank0]: RuntimeError" in message
 
@@ -51,7 +51,7 @@ def test_a_bad_input_error_is_its_own_message_without_a_traceback_tail(tmp_path)
         "[rank0]: megatron_rl.models.base.CheckpointError: /ckpt: model.layers.0.o_proj has shape (128, 64)\n"
         + KILLED_RANK_LOG
     )
-    message = str(log_failure(log, "megatron_rl.tools.convert_worker", 1))
+    message = str(log_failure(log, "megatron_rl.workers.convert", 1))
     assert "root cause: [rank0]: megatron_rl.models.base.CheckpointError: /ckpt: model.layers.0.o_proj" in message
     assert "Traceback" not in message and "ChildFailedError" not in message
 
@@ -59,4 +59,4 @@ def test_a_bad_input_error_is_its_own_message_without_a_traceback_tail(tmp_path)
 def test_an_internal_error_keeps_the_traceback_tail(tmp_path):
     log = tmp_path / "trainer.log"
     log.write_text(KILLED_RANK_LOG)
-    assert "ChildFailedError" in str(log_failure(log, "megatron_rl.orchestrator", 1))
+    assert "ChildFailedError" in str(log_failure(log, "megatron_rl.trainer.loop", 1))

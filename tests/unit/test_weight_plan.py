@@ -270,7 +270,7 @@ class _SpanLoader:
 
 
 def test_a_shared_broadcast_is_received_straight_only_into_memory_back_to_back():
-    from megatron_rl.weights.receiver import _direct_span
+    from megatron_rl.weights.engine.receiver import _direct_span
 
     memory, other = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
     slots = [Slot(n, (16, 8), "float32", 64 + 512 * i, 512, ROW_BLOCKS_T16) for i, n in enumerate("abc")]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.weights.vllm_worker_ext import WeightUpdateExtension
+from megatron_rl.weights.engine.worker import WeightUpdateExtension
 
 
 def _worker(rank: int, dp_rank: int | None, tp: int) -> WeightUpdateExtension:

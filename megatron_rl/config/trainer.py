@@ -1,0 +1,104 @@
+"""The Megatron trainer's sections: parallel layout, optimizer, trainer processes, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from megatron_rl.config.base import Section
+
+COLLECTIVE_TIMEOUT_MARGIN_S = 120.0
+"""Added to trainer.timeout_s for the trainer's process groups. The other ranks wait for rank 0's batch in a
+broadcast while rank 0 waits up to trainer.timeout_s for the buffer (after its own per-step work), so rank 0's
+deadline, and its error that says why, must come before the broadcast's."""
+
+
+class ParallelConfig(Section):
+    """The trainer's parallel layout (Megatron's conventions: EP folds over TP x DP)."""
+
+    tp: int = Field(1, ge=1)
+    """Tensor parallel size."""
+    pp: int = Field(1, ge=1)
+    """Pipeline parallel size."""
+    ep: int = Field(1, ge=1)
+    """Expert parallel size."""
+    etp: int = Field(1, ge=1)
+    """Expert tensor parallel size."""
+    dp: int | None = Field(None, ge=1)
+    """Data parallel size; empty picks the smallest that fits ep x etp."""
+    first_stage_layers: int | None = Field(None, ge=1)
+    """Transformer layers on the first pipeline stage (Megatron's num_layers_in_first_pipeline_stage), for models
+    whose layer count no even pp split divides (DeepSeek-V3: 61); the other stages split the rest evenly. Empty:
+    even split."""
+    last_stage_layers: int | None = Field(None, ge=1)
+    """Transformer layers on the last pipeline stage (Megatron's num_layers_in_last_pipeline_stage); a smaller last
+    stage leaves room for the output layer and loss. Empty: even split."""
+
+
+class OptimizerConfig(Section):
+    """Megatron's optimizer (Adam), learning-rate schedule and gradient clipping."""
+
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate at the end of the decay."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the decay after warm-up."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam beta1."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """Adam beta2."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    clip_grad: float = Field(1.0, ge=0)
+    """Global gradient-norm clip (0 disables)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (Megatron's DistributedOptimizer)."""
+
+
+class TrainerConfig(Section):
+    """The Megatron-Core trainer processes."""
+
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Parallel layout of the trainer."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Sequences per micro-batch."""
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """Megatron MoE token dispatcher."""
+    moe_aux_loss_coeff: float | None = Field(None, ge=0)
+    """Load-balancing loss coefficient; empty keeps the checkpoint's own."""
+    recompute: bool = False
+    """Recompute activations in the backward pass."""
+    seed: int = 1234
+    """Seed of parameter init and dropout streams."""
+    timeout_s: float = Field(600.0, gt=0)
+    """How long rank 0 waits for a batch; the trainer's collectives wait 120 s longer (so rank 0's error, which says
+    why, comes first); a dead rank ends the job after that long."""
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """The timeout of the trainer's collectives: `timeout_s` plus `COLLECTIVE_TIMEOUT_MARGIN_S`."""
+        return self.timeout_s + COLLECTIVE_TIMEOUT_MARGIN_S
+
+    cpu_affinity: list[int] = Field(default_factory=list)
+    """CPU cores the trainer processes run on (empty: all); benchmarks pin trainer and engines apart."""
+
+
+class CheckpointConfig(Section):
+    """Where whole-run checkpoints go and how often."""
+
+    save_dir: str = ""
+    """Folder for distributed checkpoints (empty: no saving)."""
+    save_interval: int = Field(0, ge=0)
+    """Save a whole-run checkpoint (trainer, optimizer, RNG, buffer, data position) every this many steps, and
+    after the last one (0: only after the last one)."""
+    resume: bool = False
+    """Continue from the latest whole-run checkpoint under `save_dir` (`megatron-rl train --resume`); starts from
+    scratch when there is none yet."""

@@ -1,0 +1,266 @@
+"""The launcher: the process of `megatron-rl train CONFIG` that runs the rollout side and starts the trainer.
+
+It starts (or joins) Ray, the rollout buffer and run-control actors and the vLLM engine pool, launches the
+Megatron trainer under torchrun (every rank runs `trainer/loop.py`), and runs the generation driver and the
+engine supervisor here until the trainer finishes. At the end it checks the buffer's accounting, and writes the
+reward curve and a summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import ray
+
+from megatron_rl.config import RunConfig, dump_config
+from megatron_rl.metrics.logger import read_metrics
+from megatron_rl.metrics.plots import plot_reward_curve
+from megatron_rl.models.tiny import make_tiny
+from megatron_rl.parallel.layout import layout_from_config
+from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
+from megatron_rl.rollout.buffer import make_buffer_actor
+from megatron_rl.rollout.control import CALL_TIMEOUT_S, CONTROL_NAME, make_control_actor
+from megatron_rl.rollout.driver import GenerationDriver, GenerationError, mode_lag
+from megatron_rl.rollout.engine import EngineSpec
+from megatron_rl.rollout.pool import EnginePool
+from megatron_rl.rollout.ray_utils import join_ray, start_local_ray
+from megatron_rl.rollout.supervisor import EngineSupervisor
+from megatron_rl.rollout.tasks import PromptStream, load_tokenizer, make_task
+from megatron_rl.run_state import (
+    ResumeError,
+    latest_checkpoint,
+    read_run_state,
+    refuse_used_save_dir,
+    truncate_metrics,
+    write_atomically,
+)
+
+log = logging.getLogger(__name__)
+
+TRAINER_MODULE = "megatron_rl.trainer.loop"
+"""What every trainer rank runs (`torchrun -m`)."""
+BUFFER_NAME = "rollout-buffer"
+GENERATION_STOP_S = 30.0
+"""How long the cancelled generation tasks get to unwind once the trainer is done (requests are not waited for)."""
+
+
+def ensure_model(cfg: RunConfig) -> str:
+    """The HF checkpoint folder; a missing one is made with `make-tiny` only when `model.make_tiny` asks for it."""
+    path = Path(cfg.model.hf_path)
+    if (path / "config.json").exists():
+        return str(path)
+    if not cfg.model.make_tiny:
+        raise FileNotFoundError(
+            f"model.hf_path={cfg.model.hf_path!r}: no config.json there (download the checkpoint there, or set"
+            " model.make_tiny=true and model.family for a small random model)"
+        )
+    return str(make_tiny(cfg.model.family, path, seed=cfg.trainer.seed))
+
+
+def engine_specs(cfg: RunConfig, hf_path: str) -> list:
+    """One EngineSpec per configured engine."""
+    r = cfg.rollout
+    return [
+        EngineSpec(
+            name=f"engine-{i}", model_path=hf_path, dtype=cfg.model.dtype, tensor_parallel=r.engine_tp,
+            data_parallel=r.engine_dp, expert_parallel=r.engine_ep, max_model_len=cfg.model.max_sequence_length,
+            gpu_memory_utilization=r.gpu_memory_utilization, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
+            seed=cfg.trainer.seed + i, max_num_seqs=max(16, r.max_concurrent_prompts * r.samples_per_prompt),
+            cpu_affinity=list(r.cpu_affinity),
+        )
+        for i in range(r.num_engines)
+    ]  # fmt: skip
+
+
+class LocalTrainerJob:
+    """The trainer as a torchrun child of this process."""
+
+    def __init__(self, proc, log_path: Path):
+        self.proc, self.log_path = proc, log_path
+
+    async def finished(self) -> bool:
+        """Whether the torchrun job has exited."""
+        return self.proc.poll() is not None
+
+    def check(self) -> None:
+        """Raise LaunchError, naming the failed rank and its error, when the job did not succeed."""
+        if self.proc.wait() != 0:
+            raise log_failure(self.log_path, TRAINER_MODULE, self.proc.returncode)
+
+    def stop(self) -> None:
+        """Kill the job (and every rank in it)."""
+        stop_process_group(self.proc)
+
+
+class ExternalTrainerJob:
+    """A trainer launched elsewhere (`--external-trainer`: SLURM, launch/torchrun.sh), watched through its reports
+    to the run-control actor: it has failed when it says so or stops reporting for longer than `timeout_s`."""
+
+    def __init__(self, control, timeout_s: float):
+        self.control, self.timeout_s = control, timeout_s
+        self.status: dict = {}
+
+    async def finished(self) -> bool:
+        """Whether the trainer reported the end (done or failed) or went silent."""
+        self.status = await asyncio.wait_for(self.control.trainer_status.remote(), CALL_TIMEOUT_S)
+        return self.status["state"] in ("done", "failed") or self.status["age_s"] > self.timeout_s
+
+    def check(self) -> None:
+        """Raise LaunchError unless the trainer reported success."""
+        status = self.status
+        if status.get("state") == "failed":
+            raise LaunchError(f"trainer failed after step {status['step']}: {status['message']}")
+        if status.get("state") != "done":
+            raise LaunchError(
+                f"trainer silent for {status.get('age_s', 0):.0f} s (> {self.timeout_s:.0f} s, from trainer.timeout_s) "
+                f"in state {status.get('state')!r} after step {status.get('step')}: is its torchrun job alive?"
+            )
+
+    def stop(self) -> None:
+        """Nothing to kill from here: the job that launched the trainer ends it (see launch/)."""
+
+
+async def _drive(driver, supervisor, job, poll_s: float = 0.5) -> None:
+    """Run generation (and restart dead engines) until the trainer ends; a failure of generation while the
+    trainer still runs stops the trainer. Once the trainer has ended, its own outcome (`job.check()`) is what
+    counts, so generation is cancelled rather than waited for."""
+    tasks = [asyncio.create_task(driver.run()), asyncio.create_task(supervisor.run())]
+    try:
+        trainer_done = False
+        while not (trainer_done := await job.finished()) and not any(t.done() for t in tasks):
+            await asyncio.sleep(poll_s)
+        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+        if failed is not None and not trainer_done:
+            job.stop()
+            err = failed.exception()
+            raise GenerationError(f"generation failed: {type(err).__name__}: {err}") from err
+    finally:
+        await _stop_generation(driver, supervisor, tasks)
+
+
+async def _stop_generation(driver, supervisor, tasks: list[asyncio.Task]) -> None:
+    """Stop the driver and supervisor now: their tasks are cancelled, not waited for (a request may take up to
+    rollout.request_timeout_s). An abandoned prompt stays in flight in the buffer's accounting; never raises."""
+    driver.stop()
+    supervisor.stop()
+    for task in tasks:
+        task.cancel()
+    done, pending = await asyncio.wait(tasks, timeout=GENERATION_STOP_S)
+    for task in pending:
+        log.warning(
+            "generation task %s did not stop within %g s of its cancellation", task.get_name(), GENERATION_STOP_S
+        )
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            err = task.exception()
+            log.warning("generation ended with %s: %s (after the trainer's end)", type(err).__name__, err)
+
+
+def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
+    """The checkpoint to resume from and its run state, or (None, None) for a fresh start."""
+    if not cfg.checkpoint.resume:
+        refuse_used_save_dir(cfg.checkpoint.save_dir)  # a crash before the first save would leave the old `latest`
+        return None, None
+    if not cfg.checkpoint.save_dir:
+        raise ResumeError("checkpoint.resume needs checkpoint.save_dir (where the run's checkpoints are)")
+    folder = latest_checkpoint(cfg.checkpoint.save_dir)
+    return (folder, read_run_state(folder)) if folder is not None else (None, None)
+
+
+def run_training(cfg: RunConfig, ray_address: str | None = None, external_trainer: bool = False) -> dict:
+    """Run the whole job; returns the summary (also written to the run folder).
+
+    `ray_address` joins a running Ray cluster instead of starting a local one; `external_trainer` writes the
+    trainer spec and waits for a trainer started elsewhere (`torchrun -m megatron_rl.trainer.loop SPEC`).
+    """
+    run_dir = Path(cfg.output_dir) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "trainer_spec.json"
+    spec_path.unlink(missing_ok=True)  # an external trainer must not start from a previous run's spec
+    resume_from, run_state = resume_point(cfg)
+    truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
+    hf_path = ensure_model(cfg)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    tokenizer = load_tokenizer(hf_path)
+    task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
+    start = time.perf_counter()
+    if ray_address:
+        join_ray(ray_address)
+    ray_info = {"address": ray_address} if ray_address else start_local_ray()
+    buffer = make_buffer_actor(
+        capacity=cfg.buffer.capacity, max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy,
+        prompts=PromptStream(task, cfg.task.epochs), max_requeues=cfg.buffer.max_requeues, name=BUFFER_NAME,
+    )  # fmt: skip
+    if run_state is not None:
+        ray.get(buffer.load_state_dict.remote(run_state["buffer"]), timeout=120)
+    pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
+    job = None
+    try:
+        pool.create()  # vLLM loads while the trainer starts: neither waits for the other until the first sync
+        control = make_control_actor([(h.name, h.workers) for h in pool.handles()])
+        spec = trainer_spec(cfg, ray_info["address"], pool, run_dir, resume_from)
+        write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
+        job = start_trainer_job(cfg, spec_path, run_dir, control, external_trainer)
+        pool.wait_started()
+        driver = GenerationDriver(
+            buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
+        )
+        supervisor = EngineSupervisor(pool, driver, control, buffer, cfg.rollout.max_engine_restarts)
+        asyncio.run(_drive(driver, supervisor, job))
+        job.check()
+        outcome = {
+            "ended": ray.get(control.trainer_status.remote(), timeout=60)["message"],  # why it ended early, if so
+            "accounting": ray.get(buffer.check_accounting.remote(), timeout=60),
+            "engines": pool.health(),
+        }
+    finally:
+        if job is not None:
+            job.stop()
+        pool.shutdown()
+    summary = summarize(cfg, run_dir, time.perf_counter() - start, resume_from, outcome, driver, supervisor, task)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def trainer_spec(cfg: RunConfig, ray_address: str, pool: EnginePool, run_dir: Path, resume_from: Path | None) -> dict:
+    """What every trainer rank reads at start (`trainer_spec.json`): the config and where to find the run."""
+    return {
+        "config": cfg.model_dump(mode="json"), "ray_address": ray_address, "buffer": BUFFER_NAME,
+        "control": CONTROL_NAME, "engines": [[h.name, h.workers] for h in pool.handles()],
+        "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None,
+        "world_size": layout_from_config(cfg.trainer.parallel).world_size,
+    }  # fmt: skip
+
+
+def start_trainer_job(
+    cfg: RunConfig, spec_path: Path, run_dir: Path, control, external: bool
+) -> LocalTrainerJob | ExternalTrainerJob:
+    """Start torchrun here, or (`external`) watch a trainer started elsewhere through its reports."""
+    if external:  # silent longer than a collective may wait (rank 0 reports the collective's error)
+        return ExternalTrainerJob(control, cfg.trainer.collective_timeout_s + 60)
+    log_path = run_dir / "trainer.log"
+    world_size = layout_from_config(cfg.trainer.parallel).world_size
+    return LocalTrainerJob(start_torchrun(TRAINER_MODULE, [str(spec_path)], world_size, log_path), log_path)
+
+
+def summarize(
+    cfg: RunConfig, run_dir: Path, seconds: float, resume_from: Path | None, outcome: dict, driver, supervisor, task
+) -> dict:
+    """The run's summary (`summary.json`), with the reward curve drawn from its metrics."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", title=f"{cfg.name}: {cfg.mode}")
+    return {
+        "run_dir": str(run_dir), "mode": cfg.mode, "steps": len(records), "wall_seconds": round(seconds, 1),
+        "steps_planned": cfg.steps, "ended_early": outcome["ended"] or None,
+        "resumed_from": str(resume_from) if resume_from else None,
+        "reward_first": records[0]["reward/mean"] if records else None,
+        "reward_last": records[-1]["reward/mean"] if records else None,
+        "reward_best": max((r["reward/mean"] for r in records), default=None),
+        "accounting": outcome["accounting"], "driver": vars(driver.stats), "engine_restarts": supervisor.restarts,
+        "engine_restart_reasons": supervisor.reasons, "engines": outcome["engines"], "task": task.report(),
+    }  # fmt: skip

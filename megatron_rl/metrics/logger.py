@@ -1,0 +1,94 @@
+"""Where per-step metrics go: a live console line, `metrics.jsonl`, TensorBoard, and wandb when configured."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+CONSOLE_KEYS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("loss/total", "loss", "{:+.4f}"),
+    ("grad_norm", "|g|", "{:.3f}"),
+    ("mismatch/abs_diff_mean", "mism", "{:.1e}"),
+    ("is/weight_mean", "is", "{:.3f}"),
+    ("staleness/mean", "stale", "{:.2f}"),
+    ("time/trainer_idle_frac", "t-idle", "{:.2f}"),
+    ("time/step_s", "step", "{:.2f}s"),
+    ("sync/seconds", "sync", "{:.2f}s"),
+)
+
+
+def _flatten(prefix: str, value, out: dict) -> None:
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{prefix}/{key}" if prefix else str(key), sub, out)
+    else:
+        out[prefix] = value
+
+
+class MetricsLogger:
+    """Writes one record per step to `metrics.jsonl` (always), TensorBoard (if installed) and wandb (if asked)."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, wandb_project: str = "", config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.path = self.run_dir / "metrics.jsonl"
+        self._jsonl = self.path.open("a")
+        self._tb = _tensorboard(self.run_dir / "tb")
+        self._wandb = _wandb(wandb_project, self.run_dir, config) if wandb_project else None
+        self.start = time.perf_counter()
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Record the metrics of `step` everywhere and print the console line."""
+        record = {"step": step, "wall_s": round(time.perf_counter() - self.start, 3), **metrics}
+        self._jsonl.write(json.dumps(record, default=float) + "\n")
+        self._jsonl.flush()
+        flat: dict = {}
+        _flatten("", metrics, flat)
+        scalars = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        print(self.console_line(step, flat), file=sys.stderr, flush=True)
+
+    def console_line(self, step: int, flat: dict) -> str:
+        """`[step 12/40 00:53] reward 0.812 | loss ...`: the live progress display."""
+        elapsed = int(time.perf_counter() - self.start)
+        parts = [f"[step {step}/{self.total_steps} {elapsed // 60:02d}:{elapsed % 60:02d}]"]
+        for key, label, fmt in CONSOLE_KEYS:
+            if isinstance(flat.get(key), (int, float)):
+                parts.append(f"{label} {fmt.format(flat[key])}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        """Flush and close every sink."""
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _tensorboard(folder: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(folder))
+
+
+def _wandb(project: str, run_dir: Path, config: dict | None):
+    import wandb
+
+    return wandb.init(project=project, dir=str(run_dir), config=config or {})
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Every record of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,93 @@
+"""What is measured each training step (rank 0 of the trainer): the batch's rollout figures, the step's own
+stats, the weight sync, the buffer, and the engines' idle time and generation rate from their own counters."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import ray
+import torch
+
+from megatron_rl.rollout.types import Group
+
+
+def rollout_stats(groups: list[Group], trainer_version: int) -> dict:
+    """Reward, length and staleness figures of a batch of groups."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    staleness = Counter(g.staleness(trainer_version) for g in groups)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(samples) > 1 else 0.0,
+        "reward/max": float(rewards.max()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "rollout/groups": len(groups),
+        "rollout/samples": len(samples),
+        "rollout/tokens": int(lengths.sum()),
+        "staleness/mean": sum(k * v for k, v in staleness.items()) / max(1, len(groups)),
+        "staleness/max": max(staleness) if staleness else 0,
+        "staleness/histogram": {str(k): v for k, v in sorted(staleness.items())},
+        "rollout/stale_corrected": sum(bool(g.stale) for g in groups),
+    }
+
+
+def collect_metrics(groups, stats: dict, sync_report: dict, buffer, version: int, t_data: float, step_s: float) -> dict:
+    """Everything logged for one step (rank 0)."""
+    buffer_stats = ray.get(buffer.stats.remote(), timeout=60)
+    tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
+    return {
+        **rollout_stats(groups, version - 1),
+        **{k: v for k, v in stats.items() if isinstance(v, (int, float))},
+        "version": version,
+        "sync/seconds": sync_report["seconds"],
+        "time/step_s": step_s,
+        "time/data_wait_s": t_data,
+        "time/trainer_idle_frac": t_data / step_s if step_s else 0.0,
+        "throughput/trained_tokens_per_s": tokens / step_s if step_s else 0.0,
+        "buffer/buffered": buffer_stats.get("buffered"),
+        "buffer/in_flight": buffer_stats.get("in_flight"),
+        "buffer/dropped": buffer_stats.get("dropped"),
+        "buffer/dropped_by_reason": buffer_stats.get("dropped_by_reason"),
+    }
+
+
+class EngineMeter:
+    """Engine idle fraction and generated tokens/s between two calls, from the engines' own counters.
+
+    An engine that does not answer (dead, being restarted) is left out; a restarted one's counters start at 0.
+    """
+
+    def __init__(self, handles: Callable[[], list]):
+        self.handles = handles
+        self.last_time, self.last = time.perf_counter(), self._snapshot()
+
+    def _snapshot(self) -> dict[str, tuple[float, float]]:
+        counters = {}
+        for handle in self.handles():
+            try:
+                report = ray.get(handle.actor.health.remote(), timeout=10)
+            except Exception:  # a dead engine: the supervisor restarts it; metrics go on without it
+                continue
+            counters[handle.name] = (report["busy_seconds"], report["generated_tokens"])
+        return counters
+
+    def measure(self) -> dict:
+        """Metrics since the previous call."""
+        now_time, now = time.perf_counter(), self._snapshot()
+        wall = max(1e-9, now_time - self.last_time)
+        busy = tokens = 0.0
+        for name, (b, t) in now.items():
+            b0, t0 = self.last.get(name, (0.0, 0.0))
+            restarted = b < b0 or t < t0
+            busy += b if restarted else b - b0
+            tokens += t if restarted else t - t0
+        self.last_time, self.last = now_time, now
+        return {
+            "time/engine_idle_frac": max(0.0, 1.0 - busy / (wall * max(1, len(now)))),
+            "throughput/generated_tokens_per_s": tokens / wall,
+            "engines/answering": len(now),
+        }

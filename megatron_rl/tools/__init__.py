@@ -1,1 +1,0 @@
-"""Command implementations over `weights/` and `models/`: make-tiny, convert, verify."""

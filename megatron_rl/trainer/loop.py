@@ -1,0 +1,263 @@
+"""The trainer ranks' process: the RL loop that every torchrun rank runs (`megatron-rl train` launches it).
+
+Rank 0 talks to Ray (buffer, run control, engines); every rank trains (`trainer/learner.py`) and takes part in
+the weight sync. Generation runs elsewhere all the time (`rollout/driver.py`, in the launcher); the trainer only
+waits when the buffer has no batch ready.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import ray
+import torch.distributed as dist
+
+from megatron_rl.config import RunConfig
+from megatron_rl.metrics.logger import MetricsLogger
+from megatron_rl.metrics.step import EngineMeter, collect_metrics
+from megatron_rl.parallel.groups import destroy_distributed
+from megatron_rl.rollout.ray_utils import join_ray
+from megatron_rl.rollout.types import Group
+from megatron_rl.run_state import is_due, mark_latest, step_dir, write_run_state
+from megatron_rl.trainer.batch import TrainBatch, data_parallel_shard, groups_to_batch
+from megatron_rl.trainer.learner import Learner
+from megatron_rl.trainer.optimizer import unwrap_model
+from megatron_rl.weights.recovery import RecoveringSync
+from megatron_rl.weights.sync import TrainerWeightSync, engine_handles, ray_get_named
+
+log = logging.getLogger(__name__)
+
+
+class BatchWaitError(RuntimeError):
+    """(Ranks other than 0) rank 0 stopped waiting for a batch; the message is rank 0's error."""
+
+
+def run_loop(cfg: RunConfig, spec: dict) -> None:
+    """Pull a batch, recompute proximal logprobs, take an optimizer step, push the new weights; repeat."""
+    loop = TrainerLoop(cfg, spec)
+    for step in range(loop.step + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        groups = loop.next_batch()  # waits only when the buffer is empty; follows engine restarts
+        if groups is None:  # task.epochs used up: no batch can be formed any more
+            loop.end_out_of_prompts()
+            break
+        t_data = time.perf_counter() - t0
+        stats = loop.learner.step(to_train_batch(groups, cfg, loop.learner))
+        if cfg.checkpoint.save_dir and is_due(step, cfg.checkpoint.save_interval, cfg.steps):
+            loop.save_checkpoint(step)  # before the engines see version `step`: see run_state.py
+        sync_report = loop.sync.push(step)
+        loop.finish_step(step, groups, stats, sync_report, t_data, time.perf_counter() - t0)
+    loop.close()
+
+
+class TrainerLoop:
+    """One trainer rank's view of the run: learner, weight sync, and (rank 0) buffer, run control and metrics."""
+
+    def __init__(self, cfg: RunConfig, spec: dict):
+
+        self.cfg, self.spec = cfg, spec
+        self.learner = Learner(cfg)
+        self.is_rank0 = self.learner.rank.ctx.rank == 0
+        self.buffer = self.control = self.metrics = self.meter = None
+        if self.is_rank0:
+            join_ray(spec["ray_address"])
+            self.buffer = ray.get_actor(spec["buffer"])
+            self.control = ray.get_actor(spec["control"])
+        resume = spec.get("resume_from")
+        self.step = self.learner.load(Path(resume)) if resume else 0
+        self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
+        self.end_message = ""
+        handles = engine_handles(spec["engines"], self.is_rank0)
+        if self.is_rank0:  # the launcher starts the engines while the trainer loads
+            ready = {h.name: h.actor.ready.remote(cfg.sync.timeout_s) for h in handles}
+            ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the engines to start")
+        sync = TrainerWeightSync(
+            _WeightView(self.learner), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s,
+            host=cfg.sync.bind_host, inflight=_inflight_mode(cfg), streams=cfg.sync.gloo_streams,
+        )  # fmt: skip
+        sync.setup()
+        self.sync = RecoveringSync(sync, self.control, cfg.sync.timeout_s)
+        if self.step:  # the engines start from the HF weights: bring them to the resumed ones
+            self.sync.push(self.step)
+        if self.is_rank0:
+            self.buffer.set_trainer_version.remote(self.step)
+            self.metrics = MetricsLogger(
+                spec["run_dir"], cfg.steps, cfg.wandb_project, config=cfg.model_dump(mode="json")
+            )
+            self.meter = EngineMeter(lambda: self.sync.sync.engines)
+            self._report("running")
+
+    def _report(self, state: str, message: str = "") -> None:
+        ray.get(self.control.report_trainer.remote(state, self.step, message), timeout=60)
+
+    def next_batch(self) -> list | None:
+        """The step's groups on every rank (sorted by prompt index, so a batch's order does not depend on timing),
+        or None on every rank when the prompt stream is used up (task.epochs) and no batch can be formed any more.
+
+        Rank 0 waits for the buffer; when the launcher restarted an engine meanwhile, every rank re-forms the
+        weight groups and brings it to the current weights first (in sync mode nothing else would). When rank 0
+        gives up (no batch within trainer.timeout_s, or a failed call), it raises its error and every other rank
+        raises BatchWaitError with the same message.
+        """
+        while True:
+            payload = [self._rank0_payload() if self.is_rank0 else None]
+            dist.broadcast_object_list(payload, src=0)
+            kind, data = payload[0]
+            if kind == "groups":
+                return sorted((Group.from_dict(d) for d in data), key=lambda g: g.prompt_index)
+            if kind == "exhausted":
+                return None
+            if kind == "error":  # never on rank 0: it raised its own error already
+                raise BatchWaitError(f"rank 0 stopped waiting for a batch: {data}")
+            self.sync.resync(data, self.step)
+
+    def _rank0_payload(self) -> tuple[str, object]:
+        """What rank 0 broadcasts: its batch, a new roster, the end of the prompts; on an error, an error marker
+        (then it raises), so the other ranks stop with rank 0's message instead of a broadcast timeout."""
+        try:
+            return self._wait_for_batch()
+        except Exception as err:
+            _tell_other_ranks(err)
+            raise
+
+    def _wait_for_batch(self) -> tuple[str, object]:
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.trainer.timeout_s
+        while time.monotonic() < deadline:
+            roster = self.sync.roster_changed()
+            if roster is not None:
+                return "roster", roster
+            groups = self._take_batch(2.0)
+            if groups:
+                return "groups", [g.to_dict() for g in groups]
+            if self._prompts_finished():  # no group can arrive any more; the last one may have come meanwhile
+                groups = self._take_batch(0.0)
+                return ("groups", [g.to_dict() for g in groups]) if groups else ("exhausted", None)
+            self._report("running")  # the launcher's watchdog: waiting for data is not being dead
+        stats = ray.get(self.buffer.stats.remote(), timeout=60)
+        raise TimeoutError(
+            f"no batch of {cfg.prompts_per_step} groups within trainer.timeout_s={cfg.trainer.timeout_s:.0f} s "
+            f"(buffer: buffered={stats.get('buffered')}, in_flight={stats.get('in_flight')}, "
+            f"dropped={stats.get('dropped_by_reason')}); is generation running?"
+        )
+
+    def _take_batch(self, timeout_s: float) -> list:
+        return ray.get(self.buffer.get_batch.remote(self.cfg.prompts_per_step, self.step, timeout_s), timeout=120)
+
+    def _prompts_finished(self) -> bool:
+        """Whether the buffer says no group can arrive any more (prompt stream exhausted, nothing in flight)."""
+        return bool(ray.get(self.buffer.stats.remote(), timeout=60)["finished"])
+
+    def end_out_of_prompts(self) -> None:
+        """(Every rank) the prompt stream is used up (task.epochs) and no batch can be formed: checkpoint the last
+        step when saving is configured (unless it is saved already), and let the run end normally."""
+        cfg = self.cfg
+        if cfg.checkpoint.save_dir and self.step > self.saved_step:
+            self.save_checkpoint(self.step)
+        self.end_message = f"prompt stream exhausted after step {self.step} (task.epochs={cfg.task.epochs})"
+        if self.is_rank0:
+            log.warning("%s: the run ends before steps=%d", self.end_message, cfg.steps)
+
+    def save_checkpoint(self, step: int) -> None:
+        """(Every rank) the whole-run checkpoint of `step`: trainer state, RNG, buffer contents and data position."""
+        folder = step_dir(self.cfg.checkpoint.save_dir, step)
+        self.learner.save(folder, step)
+        if self.is_rank0:
+            write_run_state(folder, step, ray.get(self.buffer.state_dict.remote(), timeout=120))
+        dist.barrier()
+        if self.is_rank0:
+            mark_latest(self.cfg.checkpoint.save_dir, folder)
+        self.saved_step = step
+
+    def finish_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float) -> None:
+        """The new version is out: tell the buffer and run control, log the step's metrics (rank 0)."""
+        self.step = step
+        if not self.is_rank0:
+            return
+        self.buffer.set_trainer_version.remote(step)
+        self._report("running")
+        record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s)
+        record["sync/resyncs"] = self.sync.resyncs
+        self.metrics.log(step, record | self.meter.measure())
+
+    def close(self) -> None:
+        """Report the end of training (and why it came early, if it did) and close the metrics."""
+        if self.is_rank0:
+            self._report("done", self.end_message)
+            self.metrics.close()
+
+
+class _WeightView:
+    """What the weight sync needs of the learner: the GPTModel itself (not its DDP wrapper)."""
+
+    def __init__(self, learner: Learner):
+        rank = learner.rank
+        self.ctx, self.family, self.arch, self.hf_config = rank.ctx, rank.family, rank.arch, rank.hf_config
+        self.model = unwrap_model(learner.state.model)
+
+
+def _tell_other_ranks(err: BaseException) -> None:
+    """(Rank 0) broadcast an error marker in place of the batch; best effort (rank 0's own error matters most)."""
+    try:
+        dist.broadcast_object_list([("error", f"{type(err).__name__}: {err}")], src=0)
+    except Exception as broadcast_err:
+        log.warning("could not tell the other ranks why rank 0 stops: %s", broadcast_err)
+
+
+def _inflight_mode(cfg: RunConfig) -> str:
+    return "keep" if cfg.sync.inflight == "pause" else "abort"
+
+
+def to_train_batch(groups: list[Group], cfg: RunConfig, learner: Learner) -> TrainBatch:
+    """This data-parallel replica's share of the step's batch."""
+    ctx = learner.rank.ctx
+    batch = groups_to_batch(groups, cfg.algorithm.advantage, ctx.layout.tp)
+    return data_parallel_shard(batch, ctx.dp_rank, ctx.layout.data_parallel)
+
+
+def main(spec_path: str) -> None:
+    """Entry point of each torchrun process (launched by `megatron-rl train`, or by hand/SLURM with
+    `--external-trainer`, in which case the spec file may not exist yet)."""
+    spec = json.loads(wait_for_file(Path(spec_path), float(os.environ.get("MRL_SPEC_WAIT_S", "900"))).read_text())
+    cfg = RunConfig.model_validate(spec["config"])
+    if cfg.trainer.cpu_affinity:
+        os.sched_setaffinity(0, set(cfg.trainer.cpu_affinity))
+    try:
+        run_loop(cfg, spec)
+    except BaseException as err:
+        report_failure(spec, err)
+        raise
+    destroy_distributed()
+
+
+def report_failure(spec: dict, err: BaseException) -> None:
+    """(Rank 0) tell the launcher why the trainer stops, so it need not wait out its watchdog; best effort."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        join_ray(spec["ray_address"])
+        message = f"rank 0: {type(err).__name__}: {str(err).splitlines()[0][:500] if str(err) else ''}"
+        ray.get(ray.get_actor(spec["control"]).report_failure.remote(message), timeout=30)
+    except Exception:  # noqa: S110 (the original error is what matters; it is re-raised)
+        pass
+
+
+def wait_for_file(path: Path, timeout_s: float) -> Path:
+    """`path` once it exists (the launcher writes the spec after Ray and the engines are up)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(
+                f"{path}: the trainer spec did not appear within {timeout_s:.0f} s (MRL_SPEC_WAIT_S)"
+            )
+        time.sleep(0.5)
+    return path
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

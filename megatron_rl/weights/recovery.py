@@ -1,0 +1,72 @@
+"""Surviving a dead engine, trainer side: every rank takes part in the weight groups, so re-forming them is
+collective. Rank 0 watches the engine roster that the launcher publishes on the run-control actor (its epoch grows
+with every engine restart, see `rollout/supervisor.py`) and tells every rank (`resync`); a push that fails on any
+rank is retried once the roster changed, and fails for good, naming the engine, when no restart comes within the
+sync timeout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch.distributed as dist
+
+from megatron_rl.weights.sync import SyncError, engine_handles
+
+
+class RecoveringSync:
+    """A `TrainerWeightSync` that follows the engine roster published on the run-control actor."""
+
+    def __init__(self, sync, control, timeout_s: float):
+        self.sync = sync
+        self.control = control  # rank 0 only
+        self.timeout_s = timeout_s
+        self.epoch = 0
+        self.resyncs = 0
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Rank 0 talks to Ray."""
+        return self.sync.is_coordinator
+
+    def roster_changed(self) -> dict | None:
+        """(Rank 0) the new roster when an engine was restarted since the last sync and none is down now."""
+        roster = ray.get(self.control.roster.remote(), timeout=60)
+        if roster["epoch"] != self.epoch and not roster["down"]:
+            return roster
+        return None
+
+    def resync(self, roster: dict, version: int) -> dict:
+        """(Every rank, collectively) re-form the weight groups with the roster's engines and push `version`."""
+        self.sync.engines = engine_handles(roster["engines"], self.is_coordinator)
+        self.sync.setup()
+        self.epoch = roster["epoch"]
+        self.resyncs += 1
+        return self.sync.push(version)
+
+    def push(self, version: int) -> dict:
+        """Push `version`; if any rank failed (an engine died), wait for its restart, re-form and push again."""
+        error: SyncError | None = None
+        try:
+            report = self.sync.push(version)
+        except SyncError as err:
+            error, report = err, {}
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else str(error))
+        failed = [e for e in errors if e]
+        if not failed:
+            return report
+        roster = [self._await_restart(failed[0])] if self.is_coordinator else [None]
+        dist.broadcast_object_list(roster, src=0)
+        return self.resync(roster[0], version) | {"recovered_from": failed[0]}
+
+    def _await_restart(self, reason: str) -> dict:
+        """(Rank 0) wait until the launcher restarted the dead engine(s); SyncError naming them after the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            roster = self.roster_changed()
+            if roster is not None:
+                return roster
+            time.sleep(0.5)
+        raise SyncError(f"weight sync failed and no engine restart came within {self.timeout_s:.0f} s: {reason}")

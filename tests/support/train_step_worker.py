@@ -1,0 +1,102 @@
+"""torchrun worker that runs RL train steps on saved batches at a layout and reports stats and logprobs.
+
+Spec file (JSON): {"cases": [case, ...]}; each case:
+    hf            HF checkpoint folder to start from
+    layout        ParallelLayout fields
+    algo          AlgorithmConfig fields
+    optimizer     OptimizerConfig fields
+    micro_batch_size, total_steps (LR schedule length), moe_aux_loss_coeff (default 0)
+    batches       paths of saved global batches (dicts of TrainBatch fields), one per step
+    eval_tokens   path of a [B, S] token tensor whose logprobs are reported before and after every step
+    out           path the stats owner writes {"steps": [stats per step], "evals": [logprobs of eval_tokens before
+                  the first step and after each step]} to
+    save_dir, save_after   (optional) save model + optimizer + scheduler after this many steps
+    optimizer_format       (optional) DistributedOptimizer checkpoint format (default fully_reshardable)
+    load_dir      (optional) load model + optimizer + scheduler before the first step
+
+Several cases of the same world size share one launch: model-parallel groups are torn down and rebuilt between
+cases while the default process group stays (as in parity_worker).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.trainer.batch import TrainBatch, data_parallel_shard
+from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.trainer.model import BuildOptions
+from megatron_rl.trainer.optimizer import build_training
+from megatron_rl.trainer.setup import bring_up_from_hf
+from megatron_rl.trainer.train_step import compute_logprobs, train_step, with_proximal_logprobs
+from megatron_rl.workers import run_cases
+
+
+def load_batch(path: str):
+    """A TrainBatch from a saved dictionary of its fields."""
+    return TrainBatch(**torch.load(path, weights_only=True))
+
+
+def _stats_owner(ctx) -> bool:
+    return ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
+
+
+def _one_step(state, ctx, batch, algo, mbs: int) -> dict:
+    """Shard the global batch for this DP rank, recompute proximal logprobs when needed, take a step."""
+    share = data_parallel_shard(batch, ctx.dp_rank, ctx.layout.data_parallel)
+    if algo.loss == "decoupled_ppo":
+        share = with_proximal_logprobs(state.model, ctx, share, mbs)
+    start = time.perf_counter()
+    stats = train_step(state, ctx, share, algo, mbs)
+    stats["seconds"] = time.perf_counter() - start
+    return stats
+
+
+def _save(state, rank, case: dict, steps_done: int) -> None:
+    meta = {"family": rank.family.name, "dtype": "float32", "layout": rank.ctx.layout.describe()}
+    extra = {"scheduler": state.scheduler.state_dict(), "step": steps_done}
+    save_checkpoint(
+        state.model,
+        rank.ctx,
+        case["save_dir"],
+        meta,
+        hf_dir=case["hf"],
+        optimizer=state.optimizer,
+        extra=extra,
+        optimizer_format=case.get("optimizer_format", "fully_reshardable"),
+    )
+
+
+def _load(state, case: dict) -> None:
+    extra = load_checkpoint(state.model, case["load_dir"], optimizer=state.optimizer)
+    state.scheduler.load_state_dict(extra["scheduler"])
+
+
+def run_case(case: dict) -> None:
+    """Bring the rank up, run the steps, let the stats owner write the report, tear down."""
+    layout = ParallelLayout(**case["layout"])
+    opts = BuildOptions(init_weights=False, moe_aux_loss_coeff=case.get("moe_aux_loss_coeff", 0.0))
+    rank = bring_up_from_hf(case["hf"], layout, opts)
+    ctx = rank.ctx
+    algo = AlgorithmConfig(**case.get("algo", {}))
+    mbs = int(case.get("micro_batch_size", 1))
+    state = build_training(rank.model, OptimizerConfig(**case.get("optimizer", {})), int(case.get("total_steps", 10)))
+    if case.get("load_dir"):
+        _load(state, case)
+    eval_tokens = torch.load(case["eval_tokens"], weights_only=True)
+    evals = [compute_logprobs(state.model, ctx, eval_tokens, mbs)]
+    steps = []
+    for i, path in enumerate(case["batches"]):
+        steps.append(_one_step(state, ctx, load_batch(path), algo, mbs))
+        evals.append(compute_logprobs(state.model, ctx, eval_tokens, mbs))
+        if case.get("save_dir") and case.get("save_after") == i + 1:
+            _save(state, rank, case, i + 1)
+    if _stats_owner(ctx):
+        torch.save({"steps": steps, "evals": [e.cpu() for e in evals]}, case["out"])
+
+
+if __name__ == "__main__":
+    run_cases(run_case)

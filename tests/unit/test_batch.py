@@ -1,0 +1,96 @@
+"""Groups from the buffer -> the trainer's batch: token layout, mask alignment, behaviour logprobs, advantages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.metrics.step import rollout_stats
+from megatron_rl.rollout.types import Group, Sample
+from megatron_rl.trainer.batch import groups_to_batch, pad_length
+
+
+def _sample(index, prompt, response, reward, version=0):
+    logprobs = [-0.1 * (i + 1) for i in range(len(response))]
+    return Sample(
+        prompt, response, logprobs, [version] * len(response), reward=reward, prompt_index=index, group_id=str(index)
+    )
+
+
+def _groups():
+    g0 = Group(0, [_sample(0, [5, 6, 7], [8, 9], 1.0), _sample(0, [5, 6, 7], [10], 0.0)])
+    g1 = Group(1, [_sample(1, [11, 12], [13, 14, 15], 0.5, version=2), _sample(1, [11, 12], [16], 0.5, version=1)])
+    return [g0, g1]
+
+
+def test_tokens_mask_and_behaviour_logprobs_line_up():
+    batch = groups_to_batch(_groups(), "grpo", tp=4)
+    assert batch.tokens.shape == (4, 8)  # longest is 5 tokens, padded to a multiple of tp=4
+    assert batch.tokens[0, :5].tolist() == [5, 6, 7, 8, 9]
+    # Position t predicts token t+1: the first response token (index 3) is predicted at position 2.
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert batch.loss_mask[2].tolist() == [0, 1, 1, 1, 0, 0, 0]
+    assert batch.behaviour_logprobs[0, 2:4].tolist() == pytest.approx([-0.1, -0.2])
+    assert batch.behaviour_logprobs[0][batch.loss_mask[0] == 0].abs().sum() == 0
+    batch.validate(tp=4)
+
+
+def test_group_relative_advantages():
+    batch = groups_to_batch(_groups(), "grpo", tp=1)
+    # Group 0: rewards 1 and 0 -> +/- 1/std (sample std of [1, 0] is 0.7071); group 1: equal rewards -> 0.
+    assert batch.advantages[:2].tolist() == pytest.approx([0.7071, -0.7071], abs=1e-3)
+    assert batch.advantages[2:].tolist() == [0.0, 0.0]
+    rloo = groups_to_batch(_groups(), "rloo", tp=1)
+    assert rloo.advantages[:2].tolist() == pytest.approx([1.0, -1.0])
+
+
+def test_rollout_stats_staleness_is_the_oldest_token():
+    stats = rollout_stats(_groups(), trainer_version=3)
+    assert stats["staleness/histogram"] == {"2": 1, "3": 1}
+    assert stats["reward/mean"] == pytest.approx(0.5)
+    assert stats["rollout/tokens"] == 7
+
+
+def test_pad_length():
+    assert [pad_length(n, 4) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
+    assert torch.equal(groups_to_batch(_groups(), "grpo", tp=1).tokens[:, 5:], torch.zeros(4, 1, dtype=torch.long))
+
+
+def test_padding_mask_from_lengths_and_from_the_loss_mask():
+    from megatron_rl.trainer.batch import TrainBatch
+
+    mask = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.float32)
+    batch = TrainBatch(
+        tokens=torch.arange(12).view(2, 6), loss_mask=mask, advantages=torch.zeros(2), behaviour_logprobs=mask * 0
+    )
+    # Without lengths: row 0 ends at its last response token (position 4); row 1 has no known end.
+    assert batch.padding_mask().tolist() == [[False] * 5 + [True], [False] * 6]
+    with_lengths = batch.replace(lengths=torch.tensor([5, 3]))
+    assert with_lengths.padding_mask().tolist() == [[False] * 5 + [True], [False] * 3 + [True] * 3]
+    with pytest.raises(ValueError, match="lengths"):
+        batch.replace(lengths=torch.tensor([7, 3])).validate()
+    with pytest.raises(ValueError, match="lengths: row 0 has loss_mask beyond its length 4"):
+        batch.replace(lengths=torch.tensor([4, 3])).validate()  # row 0 predicts token 4, the fifth
+    with_lengths.validate()
+
+
+def test_stage_padding_mask_is_the_tp_ranks_sequence_slice_after_the_first_stage():
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.logprobs import stage_padding_mask
+
+    padding = torch.arange(8).view(1, 8) >= 5
+    layout = SimpleNamespace(tp=2)
+    first = SimpleNamespace(is_first_stage=True, layout=layout, tp_rank=1)
+    later = SimpleNamespace(is_first_stage=False, layout=layout, tp_rank=1)
+    assert stage_padding_mask(padding, first, sequence_parallel=True) is padding  # Megatron scatters it there
+    assert stage_padding_mask(padding, later, sequence_parallel=True).tolist() == [[False, True, True, True]]
+    assert stage_padding_mask(padding, later, sequence_parallel=False) is padding
+
+
+def test_batches_carry_each_sequence_length():
+    groups = _groups()
+    batch = groups_to_batch(groups, "grpo", tp=4)
+    want = [len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g.samples]
+    assert batch.lengths.tolist() == want
+    assert batch.padding_mask().sum(dim=1).tolist() == [batch.seq_len - n for n in want]
