@@ -12,6 +12,7 @@ from megatron_rl.algorithms.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
+from megatron_rl.algorithms.distill import reverse_kl_rewards, sequence_reverse_kl
 from megatron_rl.algorithms.importance import (
     CORRECTIONS,
     ImportanceWeights,
@@ -33,19 +34,15 @@ from megatron_rl.algorithms.losses import (
     ppo_clip_loss,
     token_advantages,
 )
-from megatron_rl.algorithms.metrics import (
+from megatron_rl.algorithms.masked import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
-    effective_sample_size,
-    is_weight_stats,
     masked_max,
     masked_mean,
     masked_min,
     masked_sum,
-    mismatch_metrics,
-    reverse_kl_rewards,
-    sequence_reverse_kl,
 )
+from megatron_rl.algorithms.metrics import effective_sample_size, is_weight_stats, mismatch_metrics
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

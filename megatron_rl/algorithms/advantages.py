@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megatron_rl.algorithms.metrics import as_float, masked_fill_zero
+from megatron_rl.algorithms.masked import as_float, masked_fill_zero
 
 AdvantageKind = Literal["grpo", "grpo_no_std", "rloo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_no_std", "rloo")

@@ -25,14 +25,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megatron_rl.algorithms.metrics import (
+from megatron_rl.algorithms.masked import (
     as_bool_mask,
     as_float,
-    is_weight_stats,
     masked_count,
     masked_fill_zero,
     masked_mean,
 )
+from megatron_rl.algorithms.metrics import is_weight_stats
 
 Correction = Literal["none", "tis", "mis", "seq_tis", "seq_mis"]
 CORRECTIONS: tuple[str, ...] = ("none", "tis", "mis", "seq_tis", "seq_mis")

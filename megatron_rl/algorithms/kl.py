@@ -14,7 +14,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from megatron_rl.algorithms.metrics import LossAgg, aggregate_loss, as_float, masked_fill_zero, masked_mean
+from megatron_rl.algorithms.masked import LossAgg, aggregate_loss, as_float, masked_fill_zero, masked_mean
 
 KLKind = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")

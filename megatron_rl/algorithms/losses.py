@@ -24,7 +24,7 @@ from torch import Tensor
 
 from megatron_rl.algorithms.importance import Correction, importance_weights
 from megatron_rl.algorithms.kl import KLKind, kl_penalty
-from megatron_rl.algorithms.metrics import (
+from megatron_rl.algorithms.masked import (
     LossAgg,
     aggregate_loss,
     as_bool_mask,

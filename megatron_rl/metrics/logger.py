@@ -77,14 +77,14 @@ class MetricsLogger:
 
 def _tensorboard(folder: Path):
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: only when tensorboard is installed
     except ImportError:  # tensorboard is optional
         return None
     return SummaryWriter(str(folder))
 
 
 def _wandb(project: str, run_dir: Path, config: dict | None):
-    import wandb
+    import wandb  # optional (the `wandb` extra), and only when a project is configured
 
     return wandb.init(project=project, dir=str(run_dir), config=config or {})
 

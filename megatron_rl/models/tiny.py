@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from megatron_rl.models import get_family
 from megatron_rl.models.hf_checkpoint import check_output_folder, staging_folder
@@ -58,8 +59,6 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB):
 
 def save_tokenizer(out: Path, vocab_size: int = TINY_VOCAB) -> None:
     """Write tokenizer.json + tokenizer_config.json that `AutoTokenizer` and vLLM load."""
-    from transformers import PreTrainedTokenizerFast
-
     fast = PreTrainedTokenizerFast(
         tokenizer_object=build_tokenizer(vocab_size), bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
     )
@@ -104,8 +103,6 @@ def make_tiny(
     family_name: str, out: str | Path, seed: int = 0, overrides: dict | None = None, overwrite: bool = False
 ) -> Path:
     """Create a random HF checkpoint of `family_name` in `out` and return its path."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     family = get_family(family_name)
     check_output_folder(out, overwrite)  # before building the model, not after
     cfg = family.tiny_hf_config(TINY_VOCAB)

@@ -26,7 +26,7 @@ def _copy_to_hf(tensor, arch: ModelArch) -> list:
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
     """Interleave separate q, k, v projections (weights or biases) into Megatron's grouped QKV layout."""
-    import torch
+    import torch  # here, not at the top: the CLI reads the families (models/) without torch
 
     heads_per_group = num_heads // num_kv_heads
     tail = q.shape[1:]
@@ -58,7 +58,7 @@ def _qkv_to_hf(tensor, arch: ModelArch) -> list:
 
 
 def _gate_up_to_mcore(hf: list, arch: ModelArch):
-    import torch
+    import torch  # here, not at the top: the CLI reads the families (models/) without torch
 
     return torch.cat([hf[0], hf[1]], dim=0)
 

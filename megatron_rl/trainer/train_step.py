@@ -40,7 +40,8 @@ from torch import Tensor
 from megatron_rl.algorithms.importance import importance_weights
 from megatron_rl.algorithms.kl import kl_penalty
 from megatron_rl.algorithms.losses import policy_loss
-from megatron_rl.algorithms.metrics import as_bool_mask, masked_count, masked_mean, mismatch_metrics
+from megatron_rl.algorithms.masked import as_bool_mask, masked_count, masked_mean
+from megatron_rl.algorithms.metrics import mismatch_metrics
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.batch import TrainBatch

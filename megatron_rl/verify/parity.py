@@ -27,7 +27,7 @@ def hf_logprobs(
 ) -> torch.Tensor:
     """Log-probs [batch, seq-1] of tokens[:, 1:] under the checkpoint loaded by transformers' own model class (its
     logits divided by `temperature`)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # seconds to import; the torchrun workers use this module without it
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
     model.eval()
