@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with PyPI) before a GPU check on an offline GPU machine: downloads, into .whl/ (git-ignored),
 # the Python 3.12 x86-64 wheels that such a machine's image lacks for the `gpu` tests: megatron-core and pydantic
-# with their small dependencies (about 6 MB). Carry .whl to the GPU machine; scripts/gpu_tests.sh installs from it
+# with their small dependencies (about 6 MB). Carry .whl to the GPU machine; tools/gpu_check.sh installs from it
 # without a network. Official vLLM (~400 MB, built against one torch) and Transformer Engine (built against the
 # local torch and CUDA) cannot travel that way: where they are missing, the tests that need them skip and say so.
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check on one H200 (or any CUDA machine): every test marked `gpu` (parity with NCCL and, when it imports,
 # the Transformer Engine spec; weight sync into official vLLM when vLLM imports and two GPUs exist).
-# Offline machines (the lent H200 has no network): run scripts/gpu_wheels.sh here first and carry `.whl`; its
+# Offline machines (the lent H200 has no network): run tools/fetch_wheels.sh here first and carry `.whl`; its
 # wheels go to /tmp/site and the package runs from this checkout (PYTHONPATH), so nothing is fetched.
 # Networked machines without `.whl`: pip installs the package with its gpu extra.
 # Budget: under 8 minutes (installs at most 120 s offline or 180 s online, the tests at most 300 s). Logs land in

@@ -47,3 +47,16 @@ def test_make_tiny_and_config_commands(tmp_path):
     assert shown.returncode == 0 and "ep: 1" in shown.stdout
     bad = mrl("config", "configs/quickstart.yaml", "trainer.paralel.ep=1")
     assert bad.returncode == 2 and "did you mean 'trainer.parallel'" in bad.stderr
+
+
+def test_standalone_tools_call_the_commands(tiny_dir, tmp_path):
+    """tools/checkpoint/ scripts are thin callers of `megatron-rl convert` and `verify`: same reports, same exits."""
+    same = [sys.executable, "tools/checkpoint/verify.py", "roundtrip", tiny_dir("qwen3"), tiny_dir("qwen3"), "--json"]
+    result = subprocess.run(same, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["identical"] is True
+    missing = [sys.executable, "tools/checkpoint/convert.py", "mcore-to-hf", "--mcore", str(tmp_path / "none")]
+    result = subprocess.run([*missing, "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+    assert (
+        result.returncode == 2 and "megatron-rl convert: error:" in result.stderr and "Traceback" not in result.stderr
+    )

@@ -1,6 +1,6 @@
 """GPU: the same parity with NCCL and, when it imports, the Transformer Engine layer spec.
 
-Run on a lent GPU by scripts/gpu_tests.sh. Multi-rank layouts need one GPU per rank (NCCL refuses two ranks on
+Run on a lent GPU by tools/gpu_check.sh. Multi-rank layouts need one GPU per rank (NCCL refuses two ranks on
 one device), so each case skips when the machine has fewer GPUs than its world size.
 """
 
