@@ -1,0 +1,106 @@
+"""Engine memory and layout checks (vLLM), per GPU.
+
+- weights: `dtype` bytes each; attention, dense MLPs and vocabulary / engine_tp; routed experts / (engine_tp *
+  engine_dp) with `engine_ep`, else / engine_tp (vLLM splits each expert's width); norms, routers and MLA down
+  projections whole.
+- KV cache room = gpu_memory_utilization * GPU memory - weights - overhead (CUDA graphs, activation peak, NCCL)
+  - the weight-sync receive buffers; the tokens it holds: MLA stores kv_lora_rank + qk_rope_head_dim values per
+  token per layer (the latent is the same on every TP rank); GQA stores 2 * max(1, kv_heads / engine_tp) *
+  head_dim per token per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_rl.config import RunConfig
+from megatron_rl.models import ModelArch
+from megatron_rl.planner.common import DTYPE_BYTES, GB, PlanError
+from megatron_rl.planner.params import embedding_params, head_params, layer_params, sum_params
+
+ENGINE_OVERHEAD_BYTES = 4 * GB
+"""vLLM's non-KV working memory inside its budget: activation peak of a prefill batch, CUDA graphs, NCCL."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """The engines' layout and per-GPU memory."""
+
+    num_engines: int
+    """Engine actors."""
+    gpus_per_engine: int
+    """engine_tp * engine_dp."""
+    weight_bytes: int
+    """Weights on one engine GPU."""
+    overhead_bytes: int
+    """vLLM working memory plus the weight-sync receive buffers."""
+    budget_bytes: int
+    """gpu_memory_utilization * GPU memory."""
+    kv_cache_bytes: int
+    """What is left for the KV cache."""
+    kv_bytes_per_token: int
+    """KV cache bytes one token takes on one GPU (all layers)."""
+    kv_cache_tokens: int
+    """Tokens one data-parallel replica of an engine can hold."""
+    max_sequences: int
+    """Sequences of model.max_sequence_length one replica can hold at once."""
+    gpu_memory_bytes: int
+    """Memory of one GPU."""
+
+
+def check_engine_layout(cfg: RunConfig, arch: ModelArch) -> None:
+    """PlanError when vLLM cannot shard the model at engine_tp / engine_dp / engine_ep."""
+    r = cfg.rollout
+    if arch.num_heads % r.engine_tp:
+        raise PlanError(f"rollout.engine_tp={r.engine_tp}: the model's attention heads ({arch.num_heads}) are not"
+                        f" divisible by {r.engine_tp}")  # fmt: skip
+    kv = arch.num_kv_heads
+    if arch.family != "deepseek_v3" and kv % r.engine_tp and r.engine_tp % kv:
+        raise PlanError(f"rollout.engine_tp={r.engine_tp}: neither divides nor is a multiple of the model's key/value"
+                        f" heads ({kv})")  # fmt: skip
+    if not arch.num_experts:
+        return
+    if r.engine_ep and arch.num_experts % (r.engine_tp * r.engine_dp):
+        raise PlanError(
+            f"rollout.engine_ep=true: the model's experts ({arch.num_experts}) are not divisible by engine_tp *"
+            f" engine_dp = {r.engine_tp * r.engine_dp}"
+        )
+    if not r.engine_ep and arch.moe_ffn_hidden_size % r.engine_tp:
+        raise PlanError(f"rollout.engine_tp={r.engine_tp}: the expert MLP width ({arch.moe_ffn_hidden_size}) is not"
+                        f" divisible by {r.engine_tp}")  # fmt: skip
+
+
+def kv_bytes_per_token(arch: ModelArch, engine_tp: int, dtype_bytes: int) -> int:
+    """KV cache bytes of one token (all layers) on one engine GPU."""
+    if arch.family == "deepseek_v3":  # the MLA latent and the rope key, the same on every TP rank
+        per_layer = arch.get("kv_lora_rank") + arch.get("qk_rope_head_dim")
+    else:  # vLLM replicates key/value heads when engine_tp exceeds them
+        per_layer = 2 * max(1, arch.num_kv_heads // engine_tp) * arch.head_dim
+    return per_layer * arch.num_layers * dtype_bytes
+
+
+def plan_engines(cfg: RunConfig, arch: ModelArch) -> EnginePlan:
+    """Per-GPU weights and KV-cache room of the vLLM engines."""
+    check_engine_layout(cfg, arch)
+    r = cfg.rollout
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
+    whole = (
+        embedding_params(arch) + head_params(arch) + sum_params(layer_params(arch, i) for i in range(arch.num_layers))
+    )
+    expert_split = r.engine_tp * r.engine_dp if r.engine_ep else r.engine_tp
+    weights = dtype_bytes * (
+        math.ceil(whole.tp / r.engine_tp) + whole.replicated + math.ceil(whole.expert / expert_split)
+    )
+    memory = int(cfg.cluster.memory_gb * GB)
+    budget = int(r.gpu_memory_utilization * memory)
+    # The receiver holds RECEIVE_BUFFERS (3) buckets: one being loaded, two arriving (weights/receiver.py).
+    overhead = ENGINE_OVERHEAD_BYTES + 3 * cfg.sync.bucket_mb * 2**20
+    room = budget - weights - overhead
+    per_token = kv_bytes_per_token(arch, r.engine_tp, dtype_bytes)
+    tokens = max(0, room) // per_token
+    return EnginePlan(
+        num_engines=r.num_engines, gpus_per_engine=r.engine_tp * r.engine_dp, weight_bytes=weights,
+        overhead_bytes=overhead, budget_bytes=budget, kv_cache_bytes=room, kv_bytes_per_token=per_token,
+        kv_cache_tokens=tokens, max_sequences=tokens // cfg.model.max_sequence_length, gpu_memory_bytes=memory,
+    )  # fmt: skip

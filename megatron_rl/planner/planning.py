@@ -1,0 +1,134 @@
+"""Plan a run config: read the model's shape, check the layouts against the model and the cluster, and check
+that trainer and engines fit in GPU memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_rl.config import RunConfig
+from megatron_rl.models import CheckpointError, family_for_hf_config, get_family
+from megatron_rl.parallel.layout import LayoutError, ParallelLayout, check_layout_fits_model, layout_from_config
+from megatron_rl.planner.common import PlanError
+from megatron_rl.planner.engines import EnginePlan, plan_engines
+from megatron_rl.planner.params import model_size
+from megatron_rl.planner.report import Plan, gb, stage_gb
+from megatron_rl.planner.trainer import TrainerPlan, plan_trainer
+
+TINY_VOCAB = 512
+"""Vocabulary of the tiny model `make-tiny` writes (tools/make_tiny.py TINY_VOCAB; a test keeps them equal)."""
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _layout(cfg: RunConfig) -> ParallelLayout:
+    return layout_from_config(cfg.trainer.parallel)
+
+
+def load_model_config(cfg: RunConfig) -> tuple[dict, str]:
+    """The HF config.json dict to plan with and where it came from.
+
+    `model.hf_config` first (a relative path is tried from the working directory, then from the repository
+    root, so `configs/models/...` works from anywhere in a checkout), then `model.hf_path/config.json`, then
+    with `model.make_tiny` the tiny model `make-tiny` creates for `model.family` when hf_path is missing.
+    """
+    if cfg.model.hf_config:
+        path = Path(cfg.model.hf_config)
+        candidates = [path] if path.is_absolute() else [path, _REPO_ROOT / path]
+        for candidate in candidates:
+            if candidate.is_file():
+                return _read_json(candidate), str(cfg.model.hf_config)
+        raise PlanError(f"model.hf_config={cfg.model.hf_config!r}: no such file")
+    path = Path(cfg.model.hf_path) / "config.json"
+    if cfg.model.hf_path and path.is_file():
+        return _read_json(path), str(path)
+    if cfg.model.make_tiny:
+        return get_family(cfg.model.family).tiny_hf_config(TINY_VOCAB), f"tiny {cfg.model.family}"
+    raise PlanError(
+        f"model.hf_path={cfg.model.hf_path!r} has no config.json and model.hf_config is empty: set model.hf_config"
+        " to the model's config.json (see configs/models/)"
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise PlanError(f"{path}: unreadable config.json ({err})") from None
+
+
+def check_cluster(cfg: RunConfig, layout: ParallelLayout) -> tuple[int, int]:
+    """Trainer and engine GPU counts; PlanError when they do not match the declared nodes."""
+    c, r = cfg.cluster, cfg.rollout
+    engine_gpus = r.num_engines * r.engine_tp * r.engine_dp
+    if (c.trainer_nodes is None) != (c.inference_nodes is None):
+        raise PlanError(
+            f"cluster.trainer_nodes={c.trainer_nodes}, cluster.inference_nodes={c.inference_nodes}: set both"
+            " (a multi-node run) or neither (trainer and engines share one node)"
+        )
+    if c.trainer_nodes is None:
+        if layout.world_size + engine_gpus > c.gpus_per_node:
+            raise PlanError(
+                f"cluster.trainer_nodes is empty (one shared node), but the trainer's {layout.world_size} GPUs plus"
+                f" the engines' {engine_gpus} exceed cluster.gpus_per_node={c.gpus_per_node}"
+            )
+        return layout.world_size, engine_gpus
+    trainer_gpus = c.trainer_nodes * c.gpus_per_node
+    if layout.world_size != trainer_gpus:
+        raise PlanError(
+            f"cluster.trainer_nodes={c.trainer_nodes} x gpus_per_node={c.gpus_per_node} = {trainer_gpus} GPUs, but"
+            f" trainer.parallel gives tp*pp*dp = {layout.tp}*{layout.pp}*{layout.data_parallel} ="
+            f" {layout.world_size} ({layout.describe()})"
+        )
+    inference_gpus = c.inference_nodes * c.gpus_per_node
+    if engine_gpus != inference_gpus:
+        raise PlanError(
+            f"cluster.inference_nodes={c.inference_nodes} x gpus_per_node={c.gpus_per_node} = {inference_gpus} GPUs,"
+            f" but rollout.num_engines*engine_tp*engine_dp = {r.num_engines}*{r.engine_tp}*{r.engine_dp} ="
+            f" {engine_gpus}"
+        )
+    return trainer_gpus, inference_gpus
+
+
+def _check_fits(cfg: RunConfig, trainer: TrainerPlan, engines: EnginePlan) -> None:
+    worst = trainer.worst
+    if worst.total_bytes > trainer.gpu_memory_bytes:
+        parts = ", ".join(f"{k} {v}" for k, v in stage_gb(worst).items())
+        raise PlanError(
+            f"trainer.parallel ({trainer.layout}), trainer.micro_batch_size={cfg.trainer.micro_batch_size},"
+            f" trainer.recompute={cfg.trainer.recompute}: pipeline stage {worst.stage} needs"
+            f" {gb(worst.total_bytes)} GB per GPU ({parts}), more than cluster.gpu_memory_gb ="
+            f" {gb(trainer.gpu_memory_bytes)} ({cfg.cluster.gpu})"
+        )
+    if engines.max_sequences < 1:
+        raise PlanError(
+            f"rollout.engine_tp={cfg.rollout.engine_tp}, engine_dp={cfg.rollout.engine_dp}, engine_ep="
+            f"{cfg.rollout.engine_ep}, gpu_memory_utilization={cfg.rollout.gpu_memory_utilization}: weights"
+            f" {gb(engines.weight_bytes)} GB + overhead {gb(engines.overhead_bytes)} GB per GPU leave"
+            f" {gb(engines.kv_cache_bytes)} GB of the {gb(engines.budget_bytes)} GB budget for the KV cache, not"
+            f" enough for one sequence of model.max_sequence_length={cfg.model.max_sequence_length}"
+        )
+
+
+def plan(cfg: RunConfig, hf_config: dict | None = None, model_source: str = "") -> Plan:
+    """Plan a run config (with the model's HF config dict, read per `load_model_config` when not given)."""
+    if hf_config is None:
+        hf_config, model_source = load_model_config(cfg)
+    try:
+        family = get_family(cfg.model.family) if cfg.model.family else family_for_hf_config(hf_config)
+        arch = family.arch_from_hf(hf_config, model_source or "config.json")
+    except (CheckpointError, ValueError) as err:
+        raise PlanError(f"model ({model_source or 'config.json'}): {err}") from None
+    layout = _layout(cfg)
+    try:
+        check_layout_fits_model(layout, arch)
+    except LayoutError as err:
+        raise PlanError(f"trainer.{err}") from None
+    trainer_gpus, inference_gpus = check_cluster(cfg, layout)
+    trainer = plan_trainer(cfg, arch, hf_config, layout)
+    engines = plan_engines(cfg, arch)
+    _check_fits(cfg, trainer, engines)
+    return Plan(
+        name=cfg.name, family=family.name, model_source=model_source, size=model_size(arch, hf_config),
+        gpu=cfg.cluster.gpu, trainer_gpus=trainer_gpus, inference_gpus=inference_gpus, trainer=trainer,
+        engines=engines,
+    )  # fmt: skip

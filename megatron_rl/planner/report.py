@@ -1,0 +1,118 @@
+"""The plan of a run config, and its JSON and text renderings (GB = 10^9 bytes, billions of parameters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_rl.planner.common import GB
+from megatron_rl.planner.engines import EnginePlan
+from megatron_rl.planner.params import ModelSize
+from megatron_rl.planner.trainer import StageMemory, TrainerPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run config planned against its cluster."""
+
+    name: str
+    """Run name."""
+    family: str
+    """Model family."""
+    model_source: str
+    """Where the model shape came from (a config.json path, or `tiny <family>`)."""
+    size: ModelSize
+    """Parameter counts."""
+    gpu: str
+    """GPU type."""
+    trainer_gpus: int
+    """GPUs of the trainer."""
+    inference_gpus: int
+    """GPUs of the engines."""
+    trainer: TrainerPlan
+    """Trainer memory."""
+    engines: EnginePlan
+    """Engine memory."""
+
+    def to_dict(self) -> dict:
+        """A JSON-ready summary in GB (10^9 bytes) and billions of parameters."""
+        worst = self.trainer.worst
+        return {
+            "name": self.name,
+            "family": self.family,
+            "model_source": self.model_source,
+            "params_b": {"total": _b(self.size.total), "active": _b(self.size.active), "expert": _b(self.size.expert)},
+            "gpu": self.gpu,
+            "gpu_memory_gb": gb(self.trainer.gpu_memory_bytes),
+            "trainer": {
+                "gpus": self.trainer_gpus,
+                "layout": self.trainer.layout,
+                "stage_layers": self.trainer.stage_layers,
+                "microbatches": self.trainer.microbatches,
+                "tokens_per_microbatch": self.trainer.tokens_per_microbatch,
+                "worst_stage": worst.stage,
+                "per_gpu_gb": stage_gb(worst),
+                "stages_total_gb": [gb(s.total_bytes) for s in self.trainer.stages],
+            },
+            "inference": {
+                "gpus": self.inference_gpus,
+                "engines": self.engines.num_engines,
+                "gpus_per_engine": self.engines.gpus_per_engine,
+                "per_gpu_gb": {
+                    "weights": gb(self.engines.weight_bytes),
+                    "overhead": gb(self.engines.overhead_bytes),
+                    "kv_cache": gb(self.engines.kv_cache_bytes),
+                    "budget": gb(self.engines.budget_bytes),
+                },
+                "kv_bytes_per_token": self.engines.kv_bytes_per_token,
+                "kv_cache_tokens_per_replica": self.engines.kv_cache_tokens,
+                "max_sequences_per_replica": self.engines.max_sequences,
+            },
+        }
+
+
+def gb(nbytes: int) -> float:
+    """Bytes in GB, rounded to 10 MB."""
+    return round(nbytes / GB, 2)
+
+
+def _b(count: int) -> float:
+    return round(count / 1e9, 3)
+
+
+def stage_gb(stage: StageMemory) -> dict:
+    """One stage's memory by kind, in GB."""
+    return {
+        "params": gb(stage.param_bytes),
+        "grads": gb(stage.grad_bytes),
+        "optimizer": gb(stage.optimizer_bytes),
+        "activations": gb(stage.activation_bytes),
+        "overhead": gb(stage.overhead_bytes),
+        "total": gb(stage.total_bytes),
+    }
+
+
+def format_plan(p: Plan) -> str:
+    """A readable table of a plan."""
+    d = p.to_dict()
+    tr, inf = d["trainer"], d["inference"]
+    lines = [
+        f"{p.name}: {p.family} ({p.model_source}), {d['params_b']['total']}B parameters"
+        f" ({d['params_b']['active']}B active), {p.gpu} {d['gpu_memory_gb']} GB",
+        f"trainer   {tr['gpus']} GPUs  {tr['layout']}  stage layers {tr['stage_layers']}"
+        f"  {tr['microbatches']} microbatches of {tr['tokens_per_microbatch']} tokens",
+        f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'other':>8} {'total':>8}  (GB per GPU)",
+    ]
+    for s in p.trainer.stages:
+        g = stage_gb(s)
+        lines.append(
+            f"  {s.stage:>5} {g['params']:>8} {g['grads']:>8} {g['optimizer']:>8} {g['activations']:>8}"
+            f" {g['overhead']:>8} {g['total']:>8}"
+        )
+    e = inf["per_gpu_gb"]
+    lines += [
+        f"engines   {inf['gpus']} GPUs  {inf['engines']} x {inf['gpus_per_engine']} GPUs",
+        f"  weights {e['weights']} GB + overhead {e['overhead']} GB of a {e['budget']} GB budget -> KV cache"
+        f" {e['kv_cache']} GB = {inf['kv_cache_tokens_per_replica']} tokens per replica"
+        f" ({inf['kv_bytes_per_token']} B/token), {inf['max_sequences_per_replica']} full-length sequences",
+    ]
+    return "\n".join(lines)
