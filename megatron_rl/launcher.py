@@ -17,8 +17,9 @@ from pathlib import Path
 import ray
 
 from megatron_rl.config import RunConfig, dump_config
+from megatron_rl.metrics.console import LOGS_DIR, Console, MetricsFollower, ThirdPartyOutput, collect_ray_logs
 from megatron_rl.metrics.logger import read_metrics
-from megatron_rl.metrics.plots import plot_reward_curve
+from megatron_rl.metrics.plots import plot_report, plot_reward_curve
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import layout_from_config
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
@@ -124,7 +125,7 @@ class ExternalTrainerJob:
         """Nothing to kill from here: the job that launched the trainer ends it (see launch/)."""
 
 
-async def _drive(driver, supervisor, job, poll_s: float = 0.5) -> None:
+async def _drive(driver, supervisor, job, poll_s: float = 0.5, on_poll=None) -> None:
     """Run generation (and restart dead engines) until the trainer ends; a failure of generation while the
     trainer still runs stops the trainer. Once the trainer has ended, its own outcome (`job.check()`) is what
     counts, so generation is cancelled rather than waited for."""
@@ -132,6 +133,8 @@ async def _drive(driver, supervisor, job, poll_s: float = 0.5) -> None:
     try:
         trainer_done = False
         while not (trainer_done := await job.finished()) and not any(t.done() for t in tasks):
+            if on_poll is not None:
+                on_poll()  # the console's step lines
             await asyncio.sleep(poll_s)
         failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
         if failed is not None and not trainer_done:
@@ -171,14 +174,25 @@ def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     return (folder, read_run_state(folder)) if folder is not None else (None, None)
 
 
-def run_training(cfg: RunConfig, ray_address: str | None = None, external_trainer: bool = False) -> dict:
+def run_training(
+    cfg: RunConfig,
+    ray_address: str | None = None,
+    external_trainer: bool = False,
+    console: Console | None = None,
+    output: ThirdPartyOutput | None = None,
+) -> dict:
     """Run the whole job; returns the summary (also written to the run folder).
 
     `ray_address` joins a running Ray cluster instead of starting a local one; `external_trainer` writes the
     trainer spec and waits for a trainer started elsewhere (`torchrun -m megatron_rl.trainer.loop SPEC`).
+    `console` gets the run's prefixed lines (one per step); `output`, when given, takes the third-party output
+    of this process to `RUN_DIR/logs/launcher.log` and keeps the engines' out of the console.
     """
+    console = console or Console()
     run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = run_dir / LOGS_DIR
+    launcher_log = output.to_file(log_dir) if output is not None else None
     spec_path = run_dir / "trainer_spec.json"
     spec_path.unlink(missing_ok=True)  # an external trainer must not start from a previous run's spec
     resume_from, run_state = resume_point(cfg)
@@ -191,7 +205,13 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
     start = time.perf_counter()
     if ray_address:
         join_ray(ray_address)
-    ray_info = {"address": ray_address} if ray_address else start_local_ray()
+    quiet = output is not None and not output.verbose
+    ray_info = {"address": ray_address} if ray_address else start_local_ray(log_to_driver=not quiet)
+    console.say(
+        f"run {cfg.name}: {cfg.mode}, {cfg.steps} steps, trainer {layout_from_config(cfg.trainer.parallel).describe()}, "
+        f"{cfg.rollout.num_engines} engine(s); logs in {log_dir}"
+        + (f" (this process: {launcher_log})" if launcher_log else "")
+    )
     buffer = make_buffer_actor(
         capacity=cfg.buffer.capacity, max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy,
         prompts=PromptStream(task, cfg.task.epochs), max_requeues=cfg.buffer.max_requeues, name=BUFFER_NAME,
@@ -205,13 +225,16 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
         control = make_control_actor([(h.name, h.workers) for h in pool.handles()])
         spec = trainer_spec(cfg, ray_info["address"], pool, run_dir, resume_from)
         write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
-        job = start_trainer_job(cfg, spec_path, run_dir, control, external_trainer)
+        job = start_trainer_job(cfg, spec_path, log_dir, control, external_trainer)
         pool.wait_started()
+        console.say("engines up; training (one line per step)")
         driver = GenerationDriver(
             buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
         )
         supervisor = EngineSupervisor(pool, driver, control, buffer, cfg.rollout.max_engine_restarts)
-        asyncio.run(_drive(driver, supervisor, job))
+        follower = MetricsFollower(run_dir / "metrics.jsonl", cfg.steps, console)
+        asyncio.run(_drive(driver, supervisor, job, on_poll=follower.poll))
+        follower.poll()
         job.check()
         outcome = {
             "ended": ray.get(control.trainer_status.remote(), timeout=60)["message"],  # why it ended early, if so
@@ -221,7 +244,9 @@ def run_training(cfg: RunConfig, ray_address: str | None = None, external_traine
     finally:
         if job is not None:
             job.stop()
+        engine_names = pool.pids()
         pool.shutdown()
+        collect_ray_logs(ray_info.get("temp_dir"), engine_names, log_dir)
     summary = summarize(cfg, run_dir, time.perf_counter() - start, resume_from, outcome, driver, supervisor, task)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
@@ -238,12 +263,14 @@ def trainer_spec(cfg: RunConfig, ray_address: str, pool: EnginePool, run_dir: Pa
 
 
 def start_trainer_job(
-    cfg: RunConfig, spec_path: Path, run_dir: Path, control, external: bool
+    cfg: RunConfig, spec_path: Path, log_dir: Path, control, external: bool
 ) -> LocalTrainerJob | ExternalTrainerJob:
-    """Start torchrun here, or (`external`) watch a trainer started elsewhere through its reports."""
+    """Start torchrun here (its output to `log_dir/trainer.log`), or (`external`) watch a trainer started
+    elsewhere through its reports."""
     if external:  # silent longer than a collective may wait (rank 0 reports the collective's error)
         return ExternalTrainerJob(control, cfg.trainer.collective_timeout_s + 60)
-    log_path = run_dir / "trainer.log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "trainer.log"
     world_size = layout_from_config(cfg.trainer.parallel).world_size
     return LocalTrainerJob(start_torchrun(TRAINER_MODULE, [str(spec_path)], world_size, log_path), log_path)
 
@@ -254,6 +281,7 @@ def summarize(
     """The run's summary (`summary.json`), with the reward curve drawn from its metrics."""
     records = read_metrics(run_dir / "metrics.jsonl")
     plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", title=f"{cfg.name}: {cfg.mode}")
+    plot_report(run_dir / "metrics.jsonl", run_dir / "report.png", title=f"{cfg.name}: {cfg.mode}")
     return {
         "run_dir": str(run_dir), "mode": cfg.mode, "steps": len(records), "wall_seconds": round(seconds, 1),
         "steps_planned": cfg.steps, "ended_early": outcome["ended"] or None,

@@ -6,6 +6,7 @@ import argparse
 
 from megatron_rl.commands.layout_args import add_json_flag
 from megatron_rl.config import load_config
+from megatron_rl.metrics.console import Console, ThirdPartyOutput
 
 
 def add_parser(sub) -> None:
@@ -22,16 +23,28 @@ def add_parser(sub) -> None:
         help="write <run_dir>/trainer_spec.json and wait for a trainer started elsewhere "
         "(torchrun -m megatron_rl.trainer.loop SPEC; see launch/)",
     )  # fmt: skip
+    p.add_argument(
+        "--verbose", action="store_true", help="show vLLM's, Ray's and Megatron's output on the console as well"
+    )
     add_json_flag(p)
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the job; returns the headline of its summary."""
-    from megatron_rl.launcher import run_training  # Ray, torch, vLLM's engine actors: not for --help
-
+def run(args: argparse.Namespace) -> dict | None:
+    """Run the job; print the headline of its summary (or return it for --json)."""
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     cfg = load_config(args.config, overrides)
-    summary = run_training(cfg, ray_address=args.ray_address, external_trainer=args.external_trainer)
+    console = Console()
+    output = ThirdPartyOutput(console, verbose=args.verbose)  # before the imports below, which already warn
+    from megatron_rl.launcher import run_training  # Ray, torch, vLLM's engine actors: not for --help
+
+    summary = run_training(
+        cfg, ray_address=args.ray_address, external_trainer=args.external_trainer, console=console, output=output
+    )
     keys = ("run_dir", "mode", "steps", "wall_seconds", "reward_first", "reward_last", "reward_best")
-    return {k: summary[k] for k in keys} | {"accounting": summary["accounting"]}
+    headline = {k: summary[k] for k in keys} | {"accounting": summary["accounting"]}
+    if args.json:
+        return headline
+    console.say("done: " + ", ".join(f"{k} {v}" for k, v in headline.items() if k != "accounting"))
+    console.say(f"accounting: {headline['accounting']}")
+    return None

@@ -90,5 +90,18 @@ def _wandb(project: str, run_dir: Path, config: dict | None):
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """Every record of a metrics.jsonl file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Every record of a metrics.jsonl file. A last line without its newline is a record still being written
+    (or torn by a crash) and is left out; a bad line anywhere else is an error naming the file and line."""
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # no newline after it: incomplete
+                break
+            raise ValueError(f"{path}: line {number} is not a JSON record ({err})") from None
+    return records

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from megatron_rl.models import get_family
 from megatron_rl.models.hf_checkpoint import check_output_folder, staging_folder
@@ -99,6 +102,18 @@ def fill_padding_embeddings(model, seed: int, std: float) -> int:
     return 1
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off inside the block, as they were afterwards."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def make_tiny(
     family_name: str, out: str | Path, seed: int = 0, overrides: dict | None = None, overwrite: bool = False
 ) -> Path:
@@ -116,7 +131,8 @@ def make_tiny(
     fill_padding_embeddings(model, seed, std=cfg["initializer_range"])
     out = Path(out)
     with staging_folder(out, overwrite=overwrite) as tmp:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        with _no_progress_bars():  # a tiny model: a bar would only clutter the console of the run that makes it
+            model.save_pretrained(str(tmp), safe_serialization=True)
         save_tokenizer(tmp, int(cfg.get("vocab_size", TINY_VOCAB)))
         meta = {"family": family.name, "seed": seed}
         (tmp / "megatron_rl_tiny.json").write_text(json.dumps(meta) + "\n")

@@ -108,6 +108,17 @@ class EnginePool:
         futures = {name: actor.health.remote() for name, actor in self.actors.items()}
         return list(ray_get_named(futures, timeout_s, "health check").values())
 
+    def pids(self, timeout_s: float = 10.0) -> dict[int, str]:
+        """Process id -> engine name of every engine that answers within `timeout_s` (for naming its logs)."""
+        futures = {name: actor.health.remote() for name, actor in self.actors.items()}
+        pids = {}
+        for name, future in futures.items():
+            try:
+                pids[ray.get(future, timeout=timeout_s)["pid"]] = name
+            except Exception:  # a dead or stuck engine: its log keeps its pid for a name
+                continue
+        return pids
+
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop vLLM in every engine and release the actors and placement group."""
 

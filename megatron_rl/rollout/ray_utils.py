@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 
@@ -14,9 +15,10 @@ from megatron_rl.rollout.ray_env import LOCAL_ONLY_ENV
 NAMESPACE = "megatron-rl"
 
 
-def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None) -> dict:
+def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None, log_to_driver: bool = True) -> dict:
     """Start a local Ray head bound to loopback; returns {'address', 'temp_dir'} for processes that join it.
 
+    `log_to_driver=False` keeps the actors' output (vLLM's) in Ray's worker logs instead of this console.
     Raises RuntimeError when Ray was imported in cluster mode (`ray_env.prefer_loopback_ray` came too late or
     not at all): its servers would listen on every interface.
     """
@@ -27,6 +29,7 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None) ->
             f"a local Ray would listen on every interface: set {LOCAL_ONLY_ENV}=0 (megatron_rl.rollout.ray_env."
             "prefer_loopback_ray()) before ray is first imported"
         )
+    _ray_logs_follow_this_process()
     # Ray's socket paths must stay short: a short folder under /tmp.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="mrl-ray-", dir="/tmp")
     ray.init(
@@ -35,7 +38,7 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None) ->
         include_dashboard=False,
         _temp_dir=temp_dir,
         _node_ip_address="127.0.0.1",
-        log_to_driver=True,
+        log_to_driver=log_to_driver,
         configure_logging=False,
     )
     return {"address": ray.get_runtime_context().gcs_address, "temp_dir": temp_dir}
@@ -50,4 +53,14 @@ def on_this_node() -> dict:
 def join_ray(address: str) -> None:
     """Join an existing Ray cluster (from a torchrun trainer process) in this project's namespace."""
     if not ray.is_initialized():
+        _ray_logs_follow_this_process()
         ray.init(address=address, namespace=NAMESPACE, configure_logging=False, log_to_driver=False)
+
+
+def _ray_logs_follow_this_process() -> None:
+    """Let Ray's driver-side log records reach this process's logging handlers (a run's launcher.log).
+
+    `ray.init(configure_logging=False)` clears the "ray" logger's handlers but leaves it not propagating (as Ray
+    2.60 sets it at import), so its warnings went to Python's last-resort handler: the console.
+    """
+    logging.getLogger("ray").propagate = True

@@ -1,0 +1,41 @@
+"""`megatron-rl train` as a user sees it: prefixed lines on the console, one per step with reward and ETA; the
+engines', trainer's and third-party output in RUN_DIR/logs/; report.png written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.metrics.console import PREFIX
+
+pytestmark = pytest.mark.e2e
+
+MAX_UNPREFIXED = 40
+"""Console lines without our prefix allowed over a whole run (pip, torchrun and Ray start-up that escape us)."""
+
+
+def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
+    steps = 4
+    cmd = [
+        sys.executable, "-m", "megatron_rl.cli", "train", "configs/quickstart.yaml", f"steps={steps}",
+        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [ln for ln in (result.stdout + result.stderr).splitlines() if ln.strip()]
+    ours = [ln for ln in lines if ln.startswith(PREFIX)]
+    others = [ln for ln in lines if not ln.startswith(PREFIX)]
+    assert len(others) <= MAX_UNPREFIXED, "\n".join(others)
+    step_lines = [ln for ln in ours if ln.startswith(f"{PREFIX} step ")]
+    assert [ln.split()[2] for ln in step_lines] == [f"{s}/{steps}" for s in range(1, steps + 1)], ours
+    assert all("reward " in ln for ln in step_lines) and "ETA" in step_lines[-2]
+    assert any("done:" in ln for ln in ours)
+    run_dir = tmp_path / "quickstart"
+    logs = run_dir / "logs"
+    assert "Falling back to Torch" in (logs / "launcher.log").read_text()  # Megatron's warnings: not on the console
+    assert "[step 1/" in (logs / "trainer.log").read_text()
+    engine_log = (logs / "engine-0.log").read_text()
+    assert "vLLM" in engine_log or "vllm" in engine_log
+    assert (run_dir / "report.png").stat().st_size > 20_000
