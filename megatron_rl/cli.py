@@ -11,11 +11,11 @@ import json
 import sys
 
 from megatron_rl.commands import config as config_command
-from megatron_rl.commands import convert, make_tiny, plan, report, train, verify
+from megatron_rl.commands import convert, export, make_tiny, plan, report, train, verify
 from megatron_rl.errors import UserError
 from megatron_rl.rollout.ray_env import prefer_loopback_ray
 
-COMMANDS = (make_tiny, convert, verify, config_command, plan, train, report)
+COMMANDS = (make_tiny, convert, verify, config_command, plan, train, report, export)
 """Every subcommand's module, in the order `--help` lists them."""
 
 

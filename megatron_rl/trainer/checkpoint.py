@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import torch
@@ -170,13 +169,6 @@ def load_checkpoint(model, folder: str | Path, optimizer=None) -> dict | None:
             optimizer.load_state_dict(state["optimizer"])
     extra = folder / "extra.pt"
     return torch.load(extra, weights_only=True) if extra.exists() else None
-
-
-def copy_hf_side(folder: str | Path, out: str | Path) -> None:
-    """Copy the stored HF config/tokenizer files of a distributed checkpoint into `out`."""
-    side = Path(folder) / HF_SIDE_DIR
-    for path in side.iterdir():
-        shutil.copy2(path, Path(out) / path.name)
 
 
 def rng_state() -> dict:

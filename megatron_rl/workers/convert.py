@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models import read_hf_config
-from megatron_rl.models.hf_checkpoint import HFCheckpoint, ShardedWriter, write_index
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.trainer.checkpoint import copy_hf_side, read_meta, save_checkpoint
+from megatron_rl.trainer.checkpoint import HF_SIDE_DIR, read_meta, save_checkpoint
 from megatron_rl.trainer.hf_weights import load_hf_into_model
 from megatron_rl.trainer.model import BuildOptions
 from megatron_rl.trainer.save_strategy import InProcessTorchDistSaveStrategy
 from megatron_rl.trainer.setup import bring_up, bring_up_from_mcore
 from megatron_rl.weights.convert import TIMING_TAG
-from megatron_rl.weights.gather import iter_hf_tensors
+from megatron_rl.weights.export import write_hf_checkpoint
 from megatron_rl.workers import run_worker
 
 PHASES: dict[str, float] = {}
@@ -65,21 +65,8 @@ def mcore_to_hf(spec: dict) -> None:
     """Load the distributed checkpoint at this layout; every owner rank writes its tensors; rank 0 indexes."""
     meta = read_meta(spec["mcore"])
     rank = bring_up_from_mcore(spec["mcore"], ParallelLayout(**spec["layout"]))
-    out = Path(spec["out"])
-    dtypes = meta.get("hf_dtypes", {})
-    writer = ShardedWriter(out, prefix=f"rank{rank.ctx.rank:05d}")
-    for experts in (False, True):
-        for name, tensor in iter_hf_tensors(rank.model, rank.family, rank.arch, rank.ctx, experts=experts):
-            target = getattr(torch, dtypes.get(name, str(tensor.dtype).removeprefix("torch.")))
-            writer.add(name, tensor.to(target))
-    shards, nbytes = writer.finish()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (shards, nbytes))
-    if rank.ctx.rank == 0:
-        all_shards = [s for shards_of_rank, _ in gathered for s in shards_of_rank]
-        write_index(out, all_shards, sum(n for _, n in gathered))
-        copy_hf_side(spec["mcore"], out)
-    dist.barrier()
+    hf_side = Path(spec["mcore"]) / HF_SIDE_DIR
+    write_hf_checkpoint(rank.model, rank.family, rank.arch, rank.ctx, spec["out"], hf_side, meta.get("hf_dtypes"))
 
 
 def convert(spec: dict, startup_s: float) -> None:
