@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_rl.models.base import CheckpointError, ModelArch, ModelFamily, ParamRule
+from megatron_rl.models.base import AttentionParams, CheckpointError, ModelArch, ModelFamily, ParamRule
 from megatron_rl.models.deepseek_v3 import DeepseekV3Family
 from megatron_rl.models.mixtral import MixtralFamily
 from megatron_rl.models.qwen3 import Qwen3Family
@@ -18,6 +18,7 @@ FAMILIES: dict[str, ModelFamily] = {
 
 __all__ = [
     "FAMILIES",
+    "AttentionParams",
     "CheckpointError",
     "ModelArch",
     "ModelFamily",

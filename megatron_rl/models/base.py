@@ -90,12 +90,24 @@ class ParamRule:
         return transforms.TRANSFORMS[self.transform][1](tensor, arch)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionParams:
+    """One layer's attention parameters with its input norm, split by how tensor parallelism shards them."""
+
+    tp: int
+    """Split across tensor-parallel ranks (the projections split by heads, their biases)."""
+    replicated: int
+    """Whole on every tensor-parallel rank (norms, MLA's down projections)."""
+
+
 class ModelFamily(ABC):
     """One model family: recognition, config translation and the parameter map."""
 
     name: str = ""
     hf_architectures: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
+    qk_norm: bool = False
+    """Whether grouped-query attention normalises each head's queries and keys (HF `q_norm` / `k_norm`)."""
 
     def arch_from_hf(self, hf_config: dict, source: str = "config.json") -> ModelArch:
         """Read the model's shape from a Hugging Face `config.json` dictionary and check that it is sane.
@@ -134,6 +146,41 @@ class ModelFamily(ABC):
     def uses_mla(self) -> bool:
         """Whether attention is multi-latent (MLATransformerConfig)."""
         return False
+
+    def attention_params(self, arch: ModelArch) -> AttentionParams:
+        """One layer's attention with its input norm; grouped-query attention unless overridden.
+
+        q, k, v and o projections (and q/k/v biases) are split by heads; the input norm and the per-head q/k
+        norms (`qk_norm`) are whole on every rank.
+        """
+        h = arch.hidden_size
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        weights = h * (q + 2 * kv) + q * h
+        bias = (q + 2 * kv) if arch.qkv_bias else 0
+        norms = h + (2 * arch.head_dim if self.qk_norm else 0)
+        return AttentionParams(tp=weights + bias, replicated=norms)
+
+    def attention_activation_elements(self, arch: ModelArch) -> int:
+        """Elements per token one layer's attention keeps for its backward pass, before tensor parallelism.
+
+        Korthikanti et al. 2022's bookkeeping with flash attention (no scores stored) and no dropout; grouped-query
+        attention: norm input h, QKV input h, q/k/v outputs q + 2kv, core-attention output q -> 2h + 2q + 2kv.
+        """
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return 2 * arch.hidden_size + 2 * q + 2 * kv
+
+    def kv_cache_elements(self, arch: ModelArch, engine_tp: int) -> int:
+        """KV-cache values one token takes in one layer on one engine GPU at tensor parallel `engine_tp`.
+
+        Grouped-query attention: a key and a value per local key/value head; vLLM replicates the heads when
+        engine_tp exceeds them, so a GPU holds at least one.
+        """
+        return 2 * max(1, arch.num_kv_heads // engine_tp) * arch.head_dim
+
+    def kv_heads_fit(self, arch: ModelArch, engine_tp: int) -> bool:
+        """Whether vLLM can place the key/value heads on `engine_tp` ranks: one count must divide the other."""
+        kv = arch.num_kv_heads
+        return kv % engine_tp == 0 or engine_tp % kv == 0
 
     def te_variant(self, rule: ParamRule) -> ParamRule:
         """The rule as the Transformer Engine layer spec shards it (same as the local spec unless overridden)."""

@@ -11,7 +11,15 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.models import common
-from megatron_rl.models.base import CheckpointError, ModelArch, ModelFamily, ParamRule, require, rope_theta
+from megatron_rl.models.base import (
+    AttentionParams,
+    CheckpointError,
+    ModelArch,
+    ModelFamily,
+    ParamRule,
+    require,
+    rope_theta,
+)
 
 _ATTN = {
     # Megatron (under self_attention.) -> (HF under self_attn., tensor-parallel dim). With the local spec the
@@ -28,6 +36,13 @@ _ATTN = {
 _ATTN_NO_Q_LORA = {"linear_q_proj.weight": ("q_proj.weight", 0)}
 
 
+def _mla_dims(arch: ModelArch) -> tuple[int, ...]:
+    """hidden, heads, q_lora_rank (0 without a q down projection), kv_lora_rank, nope, rope and v head widths."""
+    get = arch.get
+    return (arch.hidden_size, arch.num_heads, get("q_lora_rank") or 0, get("kv_lora_rank"), get("qk_nope_head_dim"),
+            get("qk_rope_head_dim"), get("v_head_dim"))  # fmt: skip
+
+
 class DeepseekV3Family(ModelFamily):
     """DeepSeek-V3 with the local or Transformer Engine MLA spec."""
 
@@ -37,6 +52,34 @@ class DeepseekV3Family(ModelFamily):
 
     def uses_mla(self) -> bool:
         """DeepSeek-V3 attention is multi-latent."""
+        return True
+
+    def attention_params(self, arch: ModelArch) -> AttentionParams:
+        """MLA with its input norm: the up and output projections split by heads; the down projections and their
+        latent norms whole on every rank (as the Transformer Engine spec builds them)."""
+        h, heads, q_lora, kv_lora, nope, rope, v = _mla_dims(arch)
+        if q_lora:  # q_a_proj + q_a_layernorm are whole on every rank, q_b_proj is split by heads
+            q_tp, q_rep = q_lora * heads * (nope + rope), h * q_lora + q_lora
+        else:
+            q_tp, q_rep = h * heads * (nope + rope), 0
+        kv_rep = h * (kv_lora + rope) + kv_lora  # kv_a_proj_with_mqa + kv_a_layernorm
+        kv_tp = kv_lora * heads * (nope + v)  # kv_b_proj
+        out = heads * v * h
+        return AttentionParams(tp=q_tp + kv_tp + out, replicated=q_rep + kv_rep + h)
+
+    def attention_activation_elements(self, arch: ModelArch) -> int:
+        """MLA: norm input h, down-projection input h, q/kv latents and their norms 2(q_lora + kv_lora), rope part
+        r, full q and k heads*(nope+r) each, kv up-projection output heads*(nope+v), core output heads*v
+        -> 2h + 2q_lora + 2kv_lora + r + heads*(2(nope+r) + nope + 2v)."""
+        h, heads, q_lora, kv_lora, nope, rope, v = _mla_dims(arch)
+        return 2 * h + 2 * q_lora + 2 * kv_lora + rope + heads * (2 * (nope + rope) + nope + 2 * v)
+
+    def kv_cache_elements(self, arch: ModelArch, engine_tp: int) -> int:
+        """The MLA latent and the rope key, the same on every TP rank."""
+        return arch.get("kv_lora_rank") + arch.get("qk_rope_head_dim")
+
+    def kv_heads_fit(self, arch: ModelArch, engine_tp: int) -> bool:
+        """MLA caches one latent per token, not per-head keys and values: any engine_tp places it."""
         return True
 
     def te_variant(self, rule: ParamRule) -> ParamRule:

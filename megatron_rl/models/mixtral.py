@@ -29,7 +29,7 @@ class MixtralFamily(ModelFamily):
 
     def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:
         """Top-k softmax routing with renormalisation (Megatron's default, not pre-softmax)."""
-        kwargs = common.gqa_config_kwargs(arch, hf_config, qk_norm=False)
+        kwargs = common.gqa_config_kwargs(arch, hf_config, qk_norm=self.qk_norm)
         kwargs.update(
             moe_router_topk=int(hf_config.get("num_experts_per_tok", 2)),
             moe_router_pre_softmax=False,
@@ -42,7 +42,7 @@ class MixtralFamily(ModelFamily):
         """Embeddings, then per layer attention and `block_sparse_moe`."""
         rules = common.embedding_rules(arch)
         for layer in range(arch.num_layers):
-            rules += common.gqa_attention_rules(arch, layer, qk_norm=False)
+            rules += common.gqa_attention_rules(arch, layer, qk_norm=self.qk_norm)
             rules.append(common.pre_mlp_norm_rule(layer))
             rules += common.moe_rules(
                 arch, layer, "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", ("w1", "w3", "w2")

@@ -12,6 +12,7 @@ class Qwen3Family(ModelFamily):
     name = "qwen3"
     hf_architectures = ("Qwen3ForCausalLM",)
     hf_model_types = ("qwen3",)
+    qk_norm = True
 
     def _read_arch(self, hf_config: dict) -> ModelArch:
         """Read layers, heads and MLP width."""
@@ -24,13 +25,13 @@ class Qwen3Family(ModelFamily):
 
     def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:
         """GQA with q/k norm, SwiGLU, RMSNorm."""
-        return common.gqa_config_kwargs(arch, hf_config, qk_norm=True)
+        return common.gqa_config_kwargs(arch, hf_config, qk_norm=self.qk_norm)
 
     def param_rules(self, arch: ModelArch) -> list[ParamRule]:
         """Embeddings, then per layer attention and dense MLP."""
         rules = common.embedding_rules(arch)
         for layer in range(arch.num_layers):
-            rules += common.gqa_attention_rules(arch, layer, qk_norm=True)
+            rules += common.gqa_attention_rules(arch, layer, qk_norm=self.qk_norm)
             rules.append(common.pre_mlp_norm_rule(layer))
             rules += common.dense_mlp_rules(layer)
         return rules

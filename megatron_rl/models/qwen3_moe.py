@@ -12,6 +12,7 @@ class Qwen3MoeFamily(ModelFamily):
     name = "qwen3_moe"
     hf_architectures = ("Qwen3MoeForCausalLM",)
     hf_model_types = ("qwen3_moe",)
+    qk_norm = True
 
     def _read_arch(self, hf_config: dict) -> ModelArch:
         """Read layers, heads, experts and the MoE layer pattern."""
@@ -36,7 +37,7 @@ class Qwen3MoeFamily(ModelFamily):
 
     def megatron_config_kwargs(self, arch: ModelArch, hf_config: dict) -> dict:
         """GQA + q/k norm; HF `norm_topk_prob=False` is Megatron's pre-softmax routing."""
-        kwargs = common.gqa_config_kwargs(arch, hf_config, qk_norm=True)
+        kwargs = common.gqa_config_kwargs(arch, hf_config, qk_norm=self.qk_norm)
         kwargs.update(
             moe_router_topk=int(hf_config.get("num_experts_per_tok", 8)),
             moe_router_pre_softmax=not bool(hf_config.get("norm_topk_prob", True)),
@@ -49,7 +50,7 @@ class Qwen3MoeFamily(ModelFamily):
         """Embeddings, then per layer attention and MoE (or dense) MLP."""
         rules = common.embedding_rules(arch)
         for layer in range(arch.num_layers):
-            rules += common.gqa_attention_rules(arch, layer, qk_norm=True)
+            rules += common.gqa_attention_rules(arch, layer, qk_norm=self.qk_norm)
             rules.append(common.pre_mlp_norm_rule(layer))
             if arch.is_moe_layer(layer):
                 rules += common.moe_rules(arch, layer, "mlp.gate.weight", "mlp.experts.{expert}.")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,8 +21,6 @@ def test_rule_table_covers_checkpoint_exactly(family, tiny_dir):
     """Every tensor transformers saved is mapped once, and nothing else is."""
     fam = get_family(family)
     ckpt = HFCheckpoint(tiny_dir(family))
-    import json
-
     hf_config = json.loads((ckpt.folder / "config.json").read_text())
     arch = fam.arch_from_hf(hf_config)
     mapped = [n for rule in fam.rule_table(arch).values() for n in rule.hf]
@@ -140,3 +141,50 @@ def test_every_family_config_kwargs_are_plain():
         kwargs = family.megatron_config_kwargs(family.arch_from_hf(cfg), cfg)
         assert kwargs["num_layers"] == cfg["num_hidden_layers"]
         assert kwargs["activation_func"] == "silu"
+
+
+def _planner_case(name: str) -> dict:
+    """A shipped config.json (configs/models), or a family's tiny config with a variation after `+`."""
+    if not name.startswith("tiny_"):
+        return json.loads((Path(__file__).parents[2] / "configs" / "models" / f"{name}.json").read_text())
+    family, _, variant = name.removeprefix("tiny_").partition("+")
+    hf = get_family(family).tiny_hf_config(512)
+    if variant == "no_q_lora":
+        hf["q_lora_rank"] = None
+    elif variant == "qkv_bias":
+        hf["attention_bias"] = True
+    return hf
+
+
+# Recorded from the planner's own formulas before they moved into the families (commit cb4e6a7): attention
+# parameters (tensor-parallel, replicated) of one layer, attention activation elements per token, and KV-cache
+# values per token per layer at engine TP 1, 2, 4, 8.
+@pytest.mark.parametrize(
+    "name, attention, activation, kv",
+    [
+        ("deepseek_v3", (171966464, 15148032), 116800, (576, 576, 576, 576)),
+        ("mixtral_8x7b", (41943040, 4096), 18432, (2048, 1024, 512, 256)),
+        ("qwen3_235b_a22b", (71303168, 4352), 25600, (1024, 512, 256, 256)),
+        ("qwen3_30b_a3b", (18874368, 2304), 13312, (1024, 512, 256, 256)),
+        ("tiny_qwen3_moe", (49152, 192), 640, (128, 64, 64, 64)),
+        ("tiny_mixtral", (49152, 128), 640, (128, 64, 64, 64)),
+        ("tiny_deepseek_v3", (57344, 24864), 1504, (96, 96, 96, 96)),
+        ("tiny_qwen3", (49152, 192), 640, (128, 64, 64, 64)),
+        ("tiny_deepseek_v3+no_q_lora", (65536, 12480), 1312, (96, 96, 96, 96)),
+        ("tiny_qwen3+qkv_bias", (49408, 192), 640, (128, 64, 64, 64)),
+    ],
+)
+def test_family_planner_answers_equal_the_former_formulas(name, attention, activation, kv):
+    hf = _planner_case(name)
+    family = family_for_hf_config(hf)
+    arch = family.arch_from_hf(hf)
+    counts = family.attention_params(arch)
+    assert (counts.tp, counts.replicated) == attention
+    assert family.attention_activation_elements(arch) == activation
+    assert tuple(family.kv_cache_elements(arch, tp) for tp in (1, 2, 4, 8)) == kv
+    # The former check: only GQA key/value heads must divide engine_tp or be divided by it.
+    assert family.kv_heads_fit(arch, 3) == (family.uses_mla() or arch.num_kv_heads % 3 == 0)
+
+
+def test_only_qwen3_families_have_qk_norms():
+    assert {name for name, family in FAMILIES.items() if family.qk_norm} == {"qwen3", "qwen3_moe"}
