@@ -35,6 +35,7 @@ from megatron_rl.run_state import (
     ResumeError,
     latest_checkpoint,
     read_run_state,
+    refuse_used_run_dir,
     refuse_used_save_dir,
     truncate_metrics,
     write_atomically,
@@ -180,28 +181,34 @@ def run_training(
     external_trainer: bool = False,
     console: Console | None = None,
     output: ThirdPartyOutput | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Run the whole job; returns the summary (also written to the run folder).
 
     `ray_address` joins a running Ray cluster instead of starting a local one; `external_trainer` writes the
     trainer spec and waits for a trainer started elsewhere (`torchrun -m megatron_rl.trainer.loop SPEC`).
     `console` gets the run's prefixed lines (one per step); `output`, when given, takes the third-party output
-    of this process to `RUN_DIR/logs/launcher.log` and keeps the engines' out of the console.
+    of this process to `RUN_DIR/logs/launcher.log` and keeps the engines' out of the console. A run folder that
+    holds an earlier run is refused unless the run resumes it or `overwrite` replaces it (and then only once the
+    model, tokenizer and task are ready).
     """
     console = console or Console()
     run_dir = Path(cfg.output_dir) / cfg.name
+    refuse_used_run_dir(run_dir, cfg.checkpoint.resume, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = run_dir / LOGS_DIR
     launcher_log = output.to_file(log_dir) if output is not None else None
     spec_path = run_dir / "trainer_spec.json"
     spec_path.unlink(missing_ok=True)  # an external trainer must not start from a previous run's spec
     resume_from, run_state = resume_point(cfg)
-    truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
     hf_path = ensure_model(cfg)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
     tokenizer = load_tokenizer(hf_path)
     task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
+    # Start-up succeeded: only now does the run folder change (a resumed run redoes the steps after its checkpoint).
+    truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
+    (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
     start = time.perf_counter()
     if ray_address:
         join_ray(ray_address)

@@ -94,6 +94,23 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml")
+"""Files whose presence says a run folder holds a run."""
+
+
+def refuse_used_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> None:
+    """(Before anything is written) raise ResumeError when `run_dir` holds an earlier run and this one neither
+    continues it (`resume`) nor replaces it (`overwrite`): a fresh run would otherwise empty its metrics and
+    replace its config, even if it then failed to start."""
+    run_dir = Path(run_dir)
+    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if found and not (resume or overwrite):
+        raise ResumeError(
+            f"{run_dir} holds an earlier run ({', '.join(found)}): pass --resume to continue it, --overwrite to "
+            "replace it, or choose another name= (or output_dir=)"
+        )
+
+
 def truncate_metrics(path: str | Path, last_step: int) -> int:
     """Keep the metric records up to `last_step` (a resumed run redoes the later ones); returns how many stay.
 

@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/megatron-rl train configs/quickstart.yaml "$@"
+# --overwrite: running the demo again replaces its previous run folder (a real run refuses to).
+exec .venv/bin/megatron-rl train configs/quickstart.yaml --overwrite "$@"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_rl.commands.layout_args import add_json_flag, add_layout_args
+from megatron_rl.commands.args import add_json_flag, add_layout_args, positive_number
 from megatron_rl.parallel.layout import layout_from_config
 
 
@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
         q.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
         add_layout_args(q)
         q.add_argument("--overwrite", action="store_true")
-        q.add_argument("--timeout", type=float, default=3600.0, help="seconds before the workers are killed")
+        q.add_argument("--timeout", type=positive_number, default=3600.0, help="seconds before the workers are killed")
         add_json_flag(q)
         q.set_defaults(run=run)
 

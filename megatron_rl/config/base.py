@@ -19,7 +19,10 @@ def _is_number_type(annotation: Any) -> bool:
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # No inf/NaN anywhere: a deadline of inf overflows later (OverflowError in the middle of a run), NaN compares false.
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     @field_validator("*", mode="before")
     @classmethod

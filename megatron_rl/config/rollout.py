@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from megatron_rl.config.base import Section
+
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+"""A DNS host name (RFC 1123 labels)."""
 
 
 class RolloutConfig(Section):
@@ -90,3 +97,17 @@ class SyncConfig(Section):
     bind_host: str = "127.0.0.1"
     """Address each sender's rendezvous store binds to and engines connect to: loopback by default; on several
     nodes this node's address, or `auto` (MRL_NODE_IP, else the address of this host's name)."""
+
+    @field_validator("bind_host")
+    @classmethod
+    def _host_or_auto(cls, value: str) -> str:
+        if value == "auto":
+            return value
+        try:
+            ipaddress.ip_address(value)
+            return value
+        except ValueError:
+            pass
+        if not _HOST_NAME.fullmatch(value):
+            raise ValueError("must be an IP address, a host name (letters, digits, '-', '.') or 'auto'")
+        return value

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.base import Section
@@ -14,12 +15,14 @@ from megatron_rl.config.rollout import BufferConfig, RolloutConfig, SyncConfig
 from megatron_rl.config.task import TaskConfig
 from megatron_rl.config.trainer import CheckpointConfig, TrainerConfig
 
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
 
 class RunConfig(Section):
     """A whole run: model, trainer, engines, buffer, algorithm, sync, task."""
 
     name: str = "run"
-    """Run name (folder under `output_dir`)."""
+    """Run name: the run's folder under `output_dir`, so a name, not a path (letters, digits, `.`, `_`, `-`)."""
     output_dir: str = "runs"
     """Where metrics, plots and checkpoints go."""
     mode: Literal["sync", "one_step_off", "async"] = "async"
@@ -49,6 +52,16 @@ class RunConfig(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """The cluster a production run is planned for."""
 
+    @field_validator("name")
+    @classmethod
+    def _a_name_not_a_path(cls, value: str) -> str:
+        if not _RUN_NAME.fullmatch(value) or value in (".", ".."):
+            raise ValueError(
+                "must be a folder name (letters, digits, '.', '_', '-'; no '/' and not '..'): the run folder is"
+                " output_dir/name"
+            )
+        return value
+
     @model_validator(mode="after")
     def _check_batching(self) -> RunConfig:
         if self.buffer.capacity < self.prompts_per_step:
@@ -56,10 +69,33 @@ class RunConfig(Section):
                 f"buffer.capacity={self.buffer.capacity} must be at least prompts_per_step={self.prompts_per_step}"
             )
         a = self.algorithm
-        if self.buffer.stale_policy == "correct" and (a.loss != "decoupled_ppo" or a.correction == "none"):
+        if self.buffer.stale_policy == "correct" and (a.loss == "ppo" or a.correction == "none"):
             raise ValueError(
                 f"buffer.stale_policy=correct keeps groups past max_staleness, which only an importance correction"
-                f" makes sound: needs algorithm.loss=decoupled_ppo and a correction (got loss={a.loss},"
-                f" correction={a.correction}); or set buffer.stale_policy=drop"
+                f" makes sound: needs a decoupled algorithm.loss (decoupled_ppo, gspo, cispo) and a correction (got"
+                f" loss={a.loss}, correction={a.correction}); or set buffer.stale_policy=drop"
             )
+        samples = self.prompts_per_step * self.rollout.samples_per_prompt
+        if samples % a.ppo_minibatches:
+            raise ValueError(
+                f"algorithm.ppo_minibatches={a.ppo_minibatches} must divide the batch of prompts_per_step x"
+                f" rollout.samples_per_prompt = {samples} sequences"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_algorithm_needs(self) -> RunConfig:
+        a = self.algorithm
+        if a.dynamic_sampling and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                "algorithm.dynamic_sampling drops groups whose rewards are all equal, which every group of one sample"
+                f" is: needs rollout.samples_per_prompt >= 2 (got {self.rollout.samples_per_prompt})"
+            )
+        if a.forced_lag and (self.mode != "sync" or self.buffer.max_staleness < a.forced_lag):
+            raise ValueError(
+                f"algorithm.forced_lag={a.forced_lag} makes every sample exactly that many versions old: needs mode=sync"
+                f" (got {self.mode}) and buffer.max_staleness >= {a.forced_lag} (got {self.buffer.max_staleness})"
+            )
+        if a.kl_in == "reward" and a.kl_coef == 0:
+            raise ValueError("algorithm.kl_in=reward needs algorithm.kl_coef > 0 (the coefficient of the penalty)")
         return self

@@ -242,6 +242,16 @@ def check_tensor_names(ckpt: HFCheckpoint, expected: Iterable[str], ignore_suffi
         raise CheckpointError(f"{ckpt.folder}: " + "; ".join(parts))
 
 
+CHECKPOINT_MARKERS = ("config.json", "megatron_rl.json", "model.safetensors.index.json")
+"""Files one of which every checkpoint folder this project writes or reads holds."""
+
+
+def is_checkpoint_folder(folder: str | Path) -> bool:
+    """Whether `folder` holds a HF or Megatron checkpoint (so `--overwrite` may replace it)."""
+    folder = Path(folder)
+    return any((folder / name).is_file() for name in CHECKPOINT_MARKERS) or any(folder.glob("*.safetensors"))
+
+
 def check_output_folder(out: str | Path, overwrite: bool = False, protect: Iterable[str | Path] = ()) -> Path:
     """The resolved output folder, after refusing what would lose data: a file in its place, a non-empty folder
     without `overwrite`, or replacing a folder that holds the current directory or one of `protect` (a source)."""
@@ -255,6 +265,11 @@ def check_output_folder(out: str | Path, overwrite: bool = False, protect: Itera
             kept = kept.resolve()
             if kept == out or out in kept.parents:
                 raise CheckpointError(f"{out}: refusing to replace the output folder, it holds {what}")
+        if any(out.iterdir()) and not is_checkpoint_folder(out):
+            raise CheckpointError(
+                f"{out}: --overwrite replaces only a checkpoint folder, and this one holds none (no config.json, "
+                f"{', '.join(CHECKPOINT_MARKERS[1:])} or *.safetensors): remove it yourself if that is meant"
+            )
     return out
 
 

@@ -48,6 +48,11 @@ def test_dotted_overrides_apply_with_yaml_types():
         ("rollout.top_p=0.9", "rollout.top_p: must be 1: the engines' logprobs would be renormalised"),
         ("rollout.temperature=0", "rollout.temperature: Input should be greater than 0"),
         ("checkpoint.load_dir=/ckpt", "checkpoint.load_dir: unknown field"),
+        ("trainer.timeout_s=.inf", "trainer.timeout_s: Input should be a finite number \\(got inf\\)"),
+        ("sync.timeout_s=.nan", "sync.timeout_s: Input should be a finite number"),
+        ("sync.bind_host='not a host!!'", "sync.bind_host: must be an IP address, a host name .* or 'auto'"),
+        ("name=../..", "name: must be a folder name .*no '/' and not '..'"),
+        ("name=a/b", "name: must be a folder name"),
     ],
 )
 def test_errors_name_field_value_and_allowed(override, message):
@@ -116,3 +121,27 @@ def test_config_import_is_light():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_host_names_addresses_and_auto_are_accepted():
+    for host in ("127.0.0.1", "::1", "auto", "node-3.cluster.local", "gpu17"):
+        assert load_config(None, [f"sync.bind_host={host}"]).sync.bind_host == host
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["verify", "parity", "--hf", "x", "--batch", "0"], "argument --batch: '0': must be at least 1"),
+        (["verify", "parity", "--hf", "x", "--timeout", "nan"], "argument --timeout: 'nan': must be a finite number"),
+        (["convert", "hf-to-mcore", "--hf", "x", "--out", "y", "--tp", "0"], "argument --tp: '0': must be at least 1"),
+        (["verify", "sync", "--hf", "x", "--inflight-requests", "-1"], "--inflight-requests: '-1': must not be neg"),
+    ],
+)
+def test_bad_flags_are_usage_errors_not_tracebacks(argv, message, capsys):
+    from megatron_rl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

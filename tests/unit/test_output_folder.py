@@ -38,7 +38,7 @@ def test_a_file_in_place_of_the_output_folder_is_refused(tmp_path):
 def test_overwrite_replaces_an_old_output_and_the_result_follows_the_umask(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "old.txt").write_text("old")
+    (out / "config.json").write_text("{}")  # an old checkpoint
     old_mask = os.umask(0o022)
     try:
         with staging_folder(out, overwrite=True) as tmp:
@@ -54,3 +54,12 @@ def test_a_failed_block_leaves_neither_output_nor_staging_folder(tmp_path):
         (tmp / "half.bin").write_text("x")
         raise RuntimeError("conversion failed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_refuses_a_folder_that_holds_no_checkpoint(tmp_path):
+    out = tmp_path / "documents"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    with pytest.raises(CheckpointError, match="replaces only a checkpoint folder"), staging_folder(out, overwrite=True):
+        pass
+    assert (out / "thesis.tex").read_text() == "years of work"

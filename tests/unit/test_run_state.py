@@ -123,3 +123,29 @@ def test_refuse_used_save_dir_names_the_folder(tmp_path):
     mark_latest(tmp_path, step_dir(tmp_path, 2))
     with pytest.raises(ResumeError, match=r"already holds a run's checkpoints.*pass --resume"):
         refuse_used_save_dir(tmp_path)
+
+
+def test_a_fresh_run_refuses_a_run_folder_in_use_and_a_failed_start_changes_nothing(tmp_path):
+    from megatron_rl.config import load_config
+    from megatron_rl.launcher import run_training
+    from megatron_rl.rollout.tasks import TaskError
+    from megatron_rl.run_state import refuse_used_run_dir
+
+    run_dir = tmp_path / "quickstart"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "config.yaml").write_text("steps: 1\n")
+    refuse_used_run_dir(tmp_path / "other", resume=False, overwrite=False)  # nothing there: fine
+    refuse_used_run_dir(run_dir, resume=True, overwrite=False)  # continuing it
+    with pytest.raises(ResumeError, match="holds an earlier run .*--resume .*--overwrite"):
+        refuse_used_run_dir(run_dir, resume=False, overwrite=False)
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "task.name=jsonl", f"task.path={tmp_path}/no.jsonl"],
+    )
+    with pytest.raises(ResumeError):
+        run_training(cfg)
+    with pytest.raises(TaskError, match="no.jsonl"):
+        run_training(cfg, overwrite=True)  # the dataset is missing: start-up fails before the folder changes
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (run_dir / "config.yaml").read_text() == "steps: 1\n"
