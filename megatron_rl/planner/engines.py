@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from megatron_rl.config import RunConfig
-from megatron_rl.models import ModelArch
+from megatron_rl.models import ModelArch, get_family
 from megatron_rl.planner.common import DTYPE_BYTES, GB, PlanError
 from megatron_rl.planner.params import embedding_params, head_params, layer_params, sum_params
 
@@ -55,10 +55,9 @@ def check_engine_layout(cfg: RunConfig, arch: ModelArch) -> None:
     if arch.num_heads % r.engine_tp:
         raise PlanError(f"rollout.engine_tp={r.engine_tp}: the model's attention heads ({arch.num_heads}) are not"
                         f" divisible by {r.engine_tp}")  # fmt: skip
-    kv = arch.num_kv_heads
-    if arch.family != "deepseek_v3" and kv % r.engine_tp and r.engine_tp % kv:
+    if not get_family(arch.family).kv_heads_fit(arch, r.engine_tp):
         raise PlanError(f"rollout.engine_tp={r.engine_tp}: neither divides nor is a multiple of the model's key/value"
-                        f" heads ({kv})")  # fmt: skip
+                        f" heads ({arch.num_kv_heads})")  # fmt: skip
     if not arch.num_experts:
         return
     if r.engine_ep and arch.num_experts % (r.engine_tp * r.engine_dp):
@@ -72,12 +71,8 @@ def check_engine_layout(cfg: RunConfig, arch: ModelArch) -> None:
 
 
 def kv_bytes_per_token(arch: ModelArch, engine_tp: int, dtype_bytes: int) -> int:
-    """KV cache bytes of one token (all layers) on one engine GPU."""
-    if arch.family == "deepseek_v3":  # the MLA latent and the rope key, the same on every TP rank
-        per_layer = arch.get("kv_lora_rank") + arch.get("qk_rope_head_dim")
-    else:  # vLLM replicates key/value heads when engine_tp exceeds them
-        per_layer = 2 * max(1, arch.num_kv_heads // engine_tp) * arch.head_dim
-    return per_layer * arch.num_layers * dtype_bytes
+    """KV cache bytes of one token (all layers) on one engine GPU, from the family's values per layer."""
+    return get_family(arch.family).kv_cache_elements(arch, engine_tp) * arch.num_layers * dtype_bytes
 
 
 def plan_engines(cfg: RunConfig, arch: ModelArch) -> EnginePlan:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.models import ModelArch
+from megatron_rl.models import ModelArch, get_family
 from megatron_rl.parallel.layout import ParallelLayout
 
 
@@ -41,30 +41,10 @@ def topk(hf_config: dict) -> int:
     return int(hf_config.get("num_experts_per_tok") or 0)
 
 
-def _has_qk_norm(arch: ModelArch) -> bool:
-    return arch.family in ("qwen3", "qwen3_moe")
-
-
 def attention_params(arch: ModelArch) -> Params:
-    """One layer's attention with its input norm: GQA (q, k, v, o, optional biases and q/k norms) or MLA."""
-    h = arch.hidden_size
-    if arch.family == "deepseek_v3":
-        heads, q_lora, kv_lora = arch.num_heads, arch.get("q_lora_rank"), arch.get("kv_lora_rank")
-        nope, rope, v = arch.get("qk_nope_head_dim"), arch.get("qk_rope_head_dim"), arch.get("v_head_dim")
-        q_head = nope + rope
-        if q_lora:  # q_a_proj + q_a_layernorm are whole on every rank, q_b_proj is split by heads
-            q_tp, q_rep = q_lora * heads * q_head, h * q_lora + q_lora
-        else:
-            q_tp, q_rep = h * heads * q_head, 0
-        kv_rep = h * (kv_lora + rope) + kv_lora  # kv_a_proj_with_mqa + kv_a_layernorm
-        kv_tp = kv_lora * heads * (nope + v)  # kv_b_proj
-        out = heads * v * h
-        return Params(tp=q_tp + kv_tp + out, replicated=q_rep + kv_rep + h)
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    weights = h * (q + 2 * kv) + q * h
-    bias = (q + 2 * kv) if arch.qkv_bias else 0
-    norms = h + (2 * arch.head_dim if _has_qk_norm(arch) else 0)
-    return Params(tp=weights + bias, replicated=norms)
+    """One layer's attention with its input norm, as the model's family counts it (GQA or MLA)."""
+    counts = get_family(arch.family).attention_params(arch)
+    return Params(tp=counts.tp, replicated=counts.replicated)
 
 
 def mlp_params(arch: ModelArch, layer: int, active: bool = False, k: int = 0) -> Params:

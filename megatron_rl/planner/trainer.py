@@ -24,7 +24,7 @@ import dataclasses
 import math
 
 from megatron_rl.config import RunConfig
-from megatron_rl.models import ModelArch
+from megatron_rl.models import ModelArch, get_family
 from megatron_rl.parallel.layout import ParallelLayout, stage_layer_counts
 from megatron_rl.planner.common import DTYPE_BYTES, GB
 from megatron_rl.planner.params import stage_params, topk
@@ -40,10 +40,8 @@ def layer_activation_bytes(arch: ModelArch, hf_config: dict, layer: int, tokens:
     Korthikanti et al. count 34 * s*b*h bytes (bf16) per GPT layer with a 4h MLP, divided by t under tensor +
     sequence parallelism, plus 5*a*s^2*b for the attention scores, which flash attention does not store. The same
     bookkeeping for these models, in elements of T = s*b tokens (no dropout masks: dropout is off):
-    - attention, GQA: norm input h, QKV input h, q/k/v outputs q + 2kv, core-attention output q -> T(2h + 2q + 2kv)
-    - attention, MLA: norm input h, down-projection input h, q/kv latents and their norms 2(q_lora + kv_lora),
-      rope part r, full q and k heads*(nope+r) each, kv up-projection output heads*(nope+v), core output
-      heads*v -> T(2h + 2q_lora + 2kv_lora + r + heads*(2(nope+r) + nope + 2v))
+    - attention: T times the family's `attention_activation_elements` (GQA: 2h + 2q + 2kv; MLA in
+      models/deepseek_v3.py)
     - dense SwiGLU MLP (width f): norm input h, fc1 input h, fc1 output 2f, activation output f -> T(2h + 3f)
     - MoE: norm input and router input 2h, router scores (fp32) 2E, shared expert 3f_s, and per routed token copy
       (T*k of them): permuted input h, fc1 output 2f_e, activation f_e, unpermuted output h -> T(2h + 2E + 3f_s)
@@ -53,14 +51,7 @@ def layer_activation_bytes(arch: ModelArch, hf_config: dict, layer: int, tokens:
     splits the widths: T*k/tp * (2h*etp + 3f_e)).
     """
     h, t = arch.hidden_size, layout.tp
-    if arch.family == "deepseek_v3":
-        heads, q_lora, kv_lora = arch.num_heads, arch.get("q_lora_rank") or 0, arch.get("kv_lora_rank")
-        nope, rope, v = arch.get("qk_nope_head_dim"), arch.get("qk_rope_head_dim"), arch.get("v_head_dim")
-        attention = 2 * h + 2 * q_lora + 2 * kv_lora + rope + heads * (2 * (nope + rope) + nope + 2 * v)
-    else:
-        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        attention = 2 * h + 2 * q + 2 * kv
-    elements = tokens * attention
+    elements = tokens * get_family(arch.family).attention_activation_elements(arch)
     if arch.is_moe_layer(layer):
         k = topk(hf_config)
         elements += tokens * (2 * h + 2 * arch.num_experts + 3 * arch.shared_expert_ffn_hidden_size)

@@ -156,7 +156,7 @@ def _planner_case(name: str) -> dict:
     return hf
 
 
-# Recorded from the planner's own formulas before they moved into the families (commit cb4e6a7): attention
+# Recorded from the planner's own formulas before they moved into the families (at a890f8b): attention
 # parameters (tensor-parallel, replicated) of one layer, attention activation elements per token, and KV-cache
 # values per token per layer at engine TP 1, 2, 4, 8.
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.models import family_for_hf_config, get_family
-from megatron_rl.planner import GB, TINY_VOCAB, PlanError, kv_bytes_per_token, model_size, plan
+from megatron_rl.planner import GB, TINY_VOCAB, ModelSize, PlanError, kv_bytes_per_token, model_size, plan
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("**/*.yaml"))
@@ -39,6 +39,22 @@ def test_parameter_counts_match_published_totals(name, total_b, active_b):
     size = model_size(arch, hf)
     assert size.total / 1e9 == pytest.approx(total_b, rel=0.02)
     assert size.active / 1e9 == pytest.approx(active_b, rel=0.02)
+
+
+# Recorded at a890f8b, before the planner asked the model families for attention counts: total, active and
+# routed-expert parameters.
+@pytest.mark.parametrize(
+    "name, total, active, expert",
+    [
+        ("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704, 28_991_029_248),
+        ("qwen3_235b_a22b", 235_093_634_560, 22_190_763_520, 227_096_395_776),
+        ("deepseek_v3", 671_026_404_352, 37_552_282_624, 653_908_770_816),
+        ("mixtral_8x7b", 46_702_792_704, 12_879_925_248, 45_097_156_608),
+    ],
+)
+def test_parameter_counts_of_shipped_configs_are_unchanged(name, total, active, expert):
+    arch, hf = _arch(name)
+    assert model_size(arch, hf) == ModelSize(total=total, active=active, expert=expert)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "qwen3"])
