@@ -4,9 +4,9 @@
   engine_dp) with `engine_ep`, else / engine_tp (vLLM splits each expert's width); norms, routers and MLA down
   projections whole.
 - KV cache room = gpu_memory_utilization * GPU memory - weights - overhead (CUDA graphs, activation peak, NCCL)
-  - the weight-sync receive buffers; the tokens it holds: MLA stores kv_lora_rank + qk_rope_head_dim values per
-  token per layer (the latent is the same on every TP rank); GQA stores 2 * max(1, kv_heads / engine_tp) *
-  head_dim per token per layer.
+  - the weight-sync receive buffers; the tokens it holds: the family's `kv_cache_elements` per token per layer
+  (MLA: kv_lora_rank + qk_rope_head_dim, the latent is the same on every TP rank; GQA: 2 * max(1, kv_heads /
+  engine_tp) * head_dim).
 """
 
 from __future__ import annotations
