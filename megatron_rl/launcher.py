@@ -238,7 +238,10 @@ def run_training(
         driver = GenerationDriver(
             buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
         )
-        supervisor = EngineSupervisor(pool, driver, control, buffer, cfg.rollout.max_engine_restarts)
+        supervisor = EngineSupervisor(
+            pool, driver, control, buffer, cfg.rollout.max_engine_restarts,
+            hang_timeout_s=cfg.rollout.hang_timeout_s, restart_timeout_s=cfg.rollout.restart_timeout_s,
+        )  # fmt: skip
         follower = MetricsFollower(run_dir / "metrics.jsonl", cfg.steps, console)
         asyncio.run(_drive(driver, supervisor, job, on_poll=follower.poll))
         follower.poll()

@@ -50,6 +50,12 @@ class RolloutConfig(Section):
     """CPU cores the engine processes run on (empty: all)."""
     max_engine_restarts: int = Field(3, ge=0)
     """How often each engine that dies is restarted (and brought to the current weights) before the run fails."""
+    hang_timeout_s: float = Field(120.0, gt=0)
+    """An engine that answers no health probe for this long (alive but silent: stopped, deadlocked) is taken as
+    dead: killed, restarted and its prompts requeued, as a dead one is."""
+    restart_timeout_s: float = Field(600.0, gt=0)
+    """Longest an engine restart may take (vLLM start-up included). The trainer waits as long, after a failed
+    weight push, for the restart before the push fails for good."""
 
     @field_validator("top_p")
     @classmethod

@@ -12,6 +12,7 @@ trainer side is `weights/recovery.py`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -27,13 +28,27 @@ PROBE_TIMEOUT_S = 10.0
 class EngineSupervisor:
     """Restarts engines the driver found dead, up to `max_restarts` each; see the module docstring."""
 
-    def __init__(self, pool, driver, control, buffer, max_restarts: int, poll_s: float = 1.0):
+    def __init__(
+        self,
+        pool,
+        driver,
+        control,
+        buffer,
+        max_restarts: int,
+        poll_s: float = 1.0,
+        hang_timeout_s: float = 120.0,
+        restart_timeout_s: float = 600.0,
+    ):
         self.pool = pool
         self.driver = driver
         self.control = control
         self.buffer = buffer
         self.max_restarts = max_restarts
         self.poll_s = poll_s
+        self.hang_timeout_s = hang_timeout_s
+        self.restart_timeout_s = restart_timeout_s
+        self._silent_since: dict[str, float] = {}
+        """Engine -> when it last stopped answering probes (absent: it answered the last one)."""
         self.restarts: dict[str, int] = {}
         self.reasons: dict[str, list[str]] = {}
         """Why each engine was restarted, in order (a request's actor error, or the health probe's finding)."""
@@ -74,24 +89,26 @@ class EngineSupervisor:
         """Ask every engine the driver routes to for its health (all at once); mark the dead ones down; returns
         their names.
 
-        Dead means the actor is gone (Ray answers at once with an actor error) or vLLM inside it is (`alive`
-        False). An engine that does not answer within `PROBE_TIMEOUT_S` is busy, not dead: a stuck engine is the
-        weight sync's and the requests' deadlines to catch.
+        Dead means the actor is gone (Ray answers at once with an actor error), vLLM inside it is (`alive`
+        False), or it has answered no probe for `hang_timeout_s` (alive but silent: stopped or deadlocked; a busy
+        engine still answers, its health is an async method). One slow answer is not death.
         """
         names = [name for name in self.driver.engines if name not in self.driver.down]
-        verdicts = await asyncio.gather(*(self._probe_one(self.driver.engines[name]) for name in names))
+        answers = await asyncio.gather(*(ask_health(self.driver.engines[name], PROBE_TIMEOUT_S) for name in names))
+        now = time.monotonic()
         found = []
-        for name, reason in zip(names, verdicts):
-            if reason is not None:
-                self.driver.mark_down(name, reason)
+        for name, (health, dead) in zip(names, answers):
+            if dead is None and not health:  # no answer within the probe's timeout
+                since = self._silent_since.setdefault(name, now)
+                if now - since >= self.hang_timeout_s:
+                    dead = f"hung: answered no health probe for {now - since:.0f} s (rollout.hang_timeout_s)"
+            else:
+                self._silent_since.pop(name, None)
+            if dead is not None:
+                self._silent_since.pop(name, None)
+                self.driver.mark_down(name, f"health probe: {dead}")
                 found.append(name)
         return found
-
-    @staticmethod
-    async def _probe_one(actor) -> str | None:
-        """Why `actor`'s engine is dead, or None when it answered healthy or is busy."""
-        _, dead = await ask_health(actor, PROBE_TIMEOUT_S)
-        return None if dead is None else f"health probe: {dead}"
 
     async def _restart(self, name: str, reason: str) -> None:
         count = self.restarts.get(name, 0)
@@ -102,7 +119,8 @@ class EngineSupervisor:
         log.warning("%s is down (%s): restarting it (restart %d)", name, reason, count + 1)
         await asyncio.wait_for(self.control.engine_down.remote(name, reason), CALL_TIMEOUT_S)
         start = time.perf_counter()
-        actor = await asyncio.get_running_loop().run_in_executor(None, self.pool.restart, name)
+        restart = functools.partial(self.pool.restart, name, timeout_s=self.restart_timeout_s)
+        actor = await asyncio.get_running_loop().run_in_executor(None, restart)
         await asyncio.wait_for(self.control.engine_restarted.remote(name), CALL_TIMEOUT_S)
         try:
             await self._until_current(name, actor)

@@ -2,7 +2,8 @@
 collective. Rank 0 watches the engine roster that the launcher publishes on the run-control actor (its epoch grows
 with every engine restart, see `rollout/supervisor.py`) and tells every rank (`resync`); a push that fails on any
 rank is retried once the roster changed, and fails for good, naming the engine, when no restart comes within the
-sync timeout.
+time the launcher may take to find a dead or hung engine and restart it (`rollout.hang_timeout_s` +
+`rollout.restart_timeout_s`).
 """
 
 from __future__ import annotations

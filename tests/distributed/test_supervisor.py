@@ -43,17 +43,18 @@ class RestartingPool:
     def __init__(self):
         self.restarted: list[str] = []
 
-    def restart(self, name: str):
+    def restart(self, name: str, timeout_s: float = 600.0):
         self.restarted.append(name)
         return IdleEngine.remote()
 
 
-def _supervisor(engines: dict) -> tuple[EngineSupervisor, GenerationDriver, RestartingPool, object]:
+def _supervisor(engines: dict, **options) -> tuple[EngineSupervisor, GenerationDriver, RestartingPool, object]:
     driver = GenerationDriver(buffer=None, engines=engines, task=None, tokenizer=None, cfg=None, lag=0)
     control = make_control_actor([(name, 1) for name in engines], name=f"control-{time.monotonic_ns()}")
     buffer = make_buffer_actor(capacity=4, max_staleness=1, stale_policy="drop")
     pool = RestartingPool()
-    return EngineSupervisor(pool, driver, control, buffer, max_restarts=1, poll_s=0.2), driver, pool, control
+    supervisor = EngineSupervisor(pool, driver, control, buffer, max_restarts=1, poll_s=0.2, **options)
+    return supervisor, driver, pool, control
 
 
 def test_an_engine_killed_while_idle_is_found_restarted_and_published(local_ray):
@@ -115,3 +116,35 @@ def test_two_engines_dead_at_once_are_restarted_together(local_ray):
     roster = ray.get(control.roster.remote(), timeout=30)
     assert roster["restarts"] == {"engine-0": 1, "engine-1": 1} and roster["down"] == {}
     assert driver.stats.engine_restarts == 0  # neither is routed to before the trainer synced it
+
+
+def test_a_hung_engine_is_taken_for_dead_after_the_hang_timeout(local_ray, monkeypatch):
+    """SIGSTOP: the actor is alive but answers nothing. A slow answer is not death; silence past
+    rollout.hang_timeout_s is, and the engine is restarted with the reason logged."""
+    monkeypatch.setattr(supervisor_module, "PROBE_TIMEOUT_S", 1.0)
+    engine, healthy = IdleEngine.remote(), IdleEngine.remote()
+    pid = ray.get(engine.pid.remote(), timeout=30)
+    ray.get(healthy.pid.remote(), timeout=30)
+    supervisor, driver, pool, control = _supervisor({"engine-0": engine, "engine-1": healthy}, hang_timeout_s=4.0)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert asyncio.run(supervisor.probe()) == []  # silent once: not yet dead
+        assert driver.down == {}
+
+        async def scenario():
+            task = asyncio.create_task(supervisor.run())
+            deadline = time.monotonic() + 60
+            while driver.stats.engine_restarts == 0 and time.monotonic() < deadline and not task.done():
+                await asyncio.sleep(0.2)
+            supervisor.stop()
+            await asyncio.wait_for(task, 30)
+
+        started = time.monotonic()
+        asyncio.run(scenario())
+        assert time.monotonic() - started >= 2.0  # it waited for the hang timeout (4 s since the first silence)
+        assert pool.restarted == ["engine-0"]
+        assert supervisor.reasons["engine-0"][0].startswith("health probe: hung: answered no health probe for")
+        assert "rollout.hang_timeout_s" in supervisor.reasons["engine-0"][0]
+        assert ray.get(control.roster.remote(), timeout=30)["restarts"] == {"engine-0": 1}
+    finally:
+        os.kill(pid, signal.SIGKILL)
