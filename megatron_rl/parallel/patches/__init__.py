@@ -1,0 +1,24 @@
+"""Every patch this project makes to third-party internals, in one place: `megatron_core.py` (fixes needed on any
+device, and what Megatron-Core needs on CPU with gloo) and `vllm_engine.py` (the CPU engines). Each patch names the
+failure it fixes and the versions checked; each set is applied by one idempotent call, and tests/unit/test_patches.py
+tests them.
+
+Each patch imports what it patches when it is applied, not at the top: vLLM's processes load this package as a
+plugin without Megatron (a GPU vLLM image may not have it), and trainer processes never import vLLM.
+"""
+
+from megatron_rl.parallel.patches.megatron_core import applied_patches, apply_patches
+from megatron_rl.parallel.patches.vllm_engine import (
+    VLLM_PATCHES_ENV,
+    VLLM_WAIT_POLL_MAX_S,
+    VLLM_WAIT_POLL_S,
+    VLLM_WAIT_POLL_SHARE,
+    applied_vllm_patches,
+    apply_vllm_patches,
+    vllm_poll_pause,
+)
+
+__all__ = [
+    "VLLM_PATCHES_ENV", "VLLM_WAIT_POLL_MAX_S", "VLLM_WAIT_POLL_S", "VLLM_WAIT_POLL_SHARE", "applied_patches",
+    "applied_vllm_patches", "apply_patches", "apply_vllm_patches", "vllm_poll_pause",
+]  # fmt: skip
