@@ -11,8 +11,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-LossAgg = Literal["token_mean", "seq_mean"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean")
+LossAgg = Literal["token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
 def as_bool_mask(mask: Tensor) -> Tensor:
@@ -70,29 +70,60 @@ def masked_min(x: Tensor, mask: Tensor) -> Tensor:
     return _masked_extreme(x, mask, largest=False)
 
 
+def loss_numerator(token_loss: Tensor, mask: Tensor, agg: LossAgg = "token_mean") -> Tensor:
+    """The sum an aggregation divides by its denominator (`loss_denominator`); shares of a batch add up.
+
+    `token_mean`, `seq_mean_token_sum` and `seq_mean_token_sum_norm` sum every masked token's loss; `seq_mean`
+    sums each sequence's mean over its masked tokens.
+    """
+    if agg == "seq_mean":
+        return masked_sum(masked_mean(token_loss, mask, dim=-1), masked_count(mask, dim=-1) > 0)
+    if agg in ("token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        return masked_sum(token_loss, mask)
+    raise ValueError(f"loss aggregation {agg!r}: allowed {LOSS_AGGREGATIONS}")
+
+
+def loss_denominator(mask: Tensor, agg: LossAgg = "token_mean", norm_tokens: int | None = None) -> Tensor:
+    """This share's contribution (float64, 0-d) to an aggregation's denominator; shares of a batch add up.
+
+    - `token_mean`: the masked tokens.
+    - `seq_mean`, `seq_mean_token_sum`: the sequences with at least one masked token.
+    - `seq_mean_token_sum_norm` (Dr. GRPO, Liu et al. 2025): every row of the batch times the constant
+      `norm_tokens` (the generation budget), so the denominator depends on no response length.
+    """
+    if agg == "token_mean":
+        return masked_count(mask).to(torch.float64)
+    if agg in ("seq_mean", "seq_mean_token_sum"):
+        return masked_count(masked_count(mask, dim=-1) > 0).to(torch.float64)
+    if agg == "seq_mean_token_sum_norm":
+        if norm_tokens is None or norm_tokens < 1:
+            raise ValueError(
+                f"seq_mean_token_sum_norm needs norm_tokens >= 1 (the generation budget), got {norm_tokens}"
+            )
+        return torch.tensor(float(mask.shape[0] * norm_tokens), dtype=torch.float64)
+    raise ValueError(f"loss aggregation {agg!r}: allowed {LOSS_AGGREGATIONS}")
+
+
 def aggregate_loss(
-    token_loss: Tensor, mask: Tensor, agg: LossAgg = "token_mean", normalizer: float | Tensor | None = None
+    token_loss: Tensor,
+    mask: Tensor,
+    agg: LossAgg = "token_mean",
+    normalizer: float | Tensor | None = None,
+    norm_tokens: int | None = None,
 ) -> Tensor:
     """Reduce a `[batch, seq]` per-token loss to a scalar; tokens outside `mask` count for nothing.
 
     - `token_mean`: sum over the masked tokens / number of masked tokens in the batch.
-    - `seq_mean`: mean over the masked tokens of each sequence, then mean over the sequences that have at least
-      one masked token (an all-masked sequence is left out of the count, not averaged in as 0).
+    - `seq_mean` (seq-mean-token-mean): mean over the masked tokens of each sequence, then mean over the sequences
+      that have at least one masked token (an all-masked sequence is left out of the count, not averaged in as 0).
+    - `seq_mean_token_sum`: sum over each sequence's masked tokens, then mean over those sequences.
+    - `seq_mean_token_sum_norm` (Dr. GRPO): sum over every masked token / (rows x `norm_tokens`).
 
-    `normalizer`, when given, replaces the denominator (the token count, or the sequence count for `seq_mean`),
-    e.g. the global count over gradient-accumulation micro-batches and data-parallel ranks. An empty mask gives
-    0 (with a zero gradient), never NaN.
+    `normalizer`, when given, replaces the denominator (`loss_denominator`), e.g. the global count over
+    gradient-accumulation micro-batches and data-parallel ranks. An empty mask gives 0 (with a zero gradient),
+    never NaN.
     """
-    if agg == "token_mean":
-        total = masked_sum(token_loss, mask)
-        count = masked_count(mask)
-    elif agg == "seq_mean":
-        per_seq = masked_mean(token_loss, mask, dim=-1)
-        nonempty = masked_count(mask, dim=-1) > 0
-        total = masked_sum(per_seq, nonempty)
-        count = masked_count(nonempty)
-    else:
-        raise ValueError(f"loss aggregation {agg!r}: allowed {LOSS_AGGREGATIONS}")
+    total = loss_numerator(token_loss, mask, agg)
     if normalizer is None:
-        return total / count.clamp(min=1).to(total.dtype)
+        normalizer = loss_denominator(mask, agg, norm_tokens).clamp(min=1).to(total.dtype)
     return total / normalizer

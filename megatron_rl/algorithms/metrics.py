@@ -12,13 +12,14 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
     """How far the trainer's logprobs are from the engine's on the same tokens (detached 0-d tensors).
 
     `mismatch/k3_kl`: Schulman's k3 estimate of KL(rollout || trainer) (the tokens were sampled by the rollout
-    engine): mean over the mask of `r - 1 - log r` with `r = exp(train - rollout)`.
+    engine): mean over the mask of `r - 1 - log r` with `r = exp(train - rollout)`, `log r` clamped to [-20, 20].
     `mismatch/abs_diff_mean`, `mismatch/abs_diff_max`: mean and max of `|train - rollout|` over the mask.
     """
     train = masked_fill_zero(as_float(train_logprobs.detach()), mask)
     rollout = masked_fill_zero(as_float(rollout_logprobs.detach()), mask)
     log_r = train - rollout
-    k3 = torch.expm1(log_r) - log_r  # same formula as kl.kl_k3(rollout, train); kept import-free here
+    bounded = log_r.clamp(-20.0, 20.0)  # as kl.kl_k3 (without its value clamp): a wild token stays finite
+    k3 = torch.expm1(bounded) - bounded
     abs_diff = log_r.abs()
     return {
         "mismatch/k3_kl": masked_mean(k3, mask),

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the rollout's sample contract; the trainer only reads its f
     from megatron_rl.rollout.types import Group
 
 _PER_TOKEN = ("loss_mask", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs")
+_PER_SEQUENCE = ("lengths", "rewards", "group_ids")
 
 
 @dataclasses.dataclass
@@ -42,6 +43,11 @@ class TrainBatch:
     lengths: Tensor | None = None
     """`[B]` int64 real tokens (prompt + response) of each sequence; the rest of its row is padding. Without it
     a row ends at its last response token."""
+    rewards: Tensor | None = None
+    """`[B]` float64 reward of each sequence (what the advantages were computed from; KL-in-reward recomputes
+    them)."""
+    group_ids: Tensor | None = None
+    """`[B]` int64 index of each sequence's group in the global batch (0..G-1)."""
 
     @property
     def batch_size(self) -> int:
@@ -69,9 +75,13 @@ class TrainBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, s - 1):
                 raise ValueError(f"{name}: expected shape {(b, s - 1)}, got {tuple(value.shape)}")
+        for name in _PER_SEQUENCE:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (b,):
+                raise ValueError(f"{name}: expected shape {(b,)}, got {tuple(value.shape)}")
         if self.lengths is not None:
             lengths = self.lengths
-            if tuple(lengths.shape) != (b,) or bool((lengths < 1).any()) or bool((lengths > s).any()):
+            if bool((lengths < 1).any()) or bool((lengths > s).any()):
                 raise ValueError(f"lengths: expected shape {(b,)} with values in [1, {s}], got {lengths.tolist()}")
             # No response token beyond a sequence's end (the mask's position t predicts token t + 1).
             beyond = self.loss_mask.bool() & (torch.arange(1, s, device=lengths.device) >= lengths[:, None])
@@ -102,6 +112,16 @@ class TrainBatch:
             raise ValueError(f"batch of {self.batch_size} is not divisible by micro_batch_size {micro_batch_size}")
         return [self.select(slice(i, i + micro_batch_size)) for i in range(0, self.batch_size, micro_batch_size)]
 
+    def minibatches(self, count: int) -> list[TrainBatch]:
+        """`count` consecutive mini-batches of equal size (the batch size must be a multiple of `count`)."""
+        if count < 1 or self.batch_size % count:
+            raise ValueError(
+                f"a share of {self.batch_size} sequences cannot be split into algorithm.ppo_minibatches={count} equal"
+                " mini-batches"
+            )
+        per = self.batch_size // count
+        return [self.select(slice(i * per, (i + 1) * per)) for i in range(count)]
+
     def replace(self, **changes) -> TrainBatch:
         """A copy with some fields replaced."""
         return dataclasses.replace(self, **changes)
@@ -130,6 +150,26 @@ def data_parallel_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainB
     return batch.select(slice(dp_rank * per, (dp_rank + 1) * per))
 
 
+def replica_rows(batch_size: int, dp_rank: int, dp_size: int, minibatches: int = 1) -> Tensor:
+    """Global row indices of data-parallel rank `dp_rank`'s share when the batch trains in `minibatches`
+    consecutive mini-batches: its slice of each mini-batch in turn, so that the share's own consecutive
+    mini-batches are its parts of the global ones (the same rows at every layout). With one mini-batch it is
+    the contiguous slice `data_parallel_shard` takes."""
+    if batch_size % (dp_size * minibatches):
+        raise ValueError(
+            f"global batch of {batch_size} is not divisible by data parallel size {dp_size} x"
+            f" algorithm.ppo_minibatches={minibatches}"
+        )
+    per_mb, per_rank = batch_size // minibatches, batch_size // minibatches // dp_size
+    starts = [k * per_mb + dp_rank * per_rank for k in range(minibatches)]
+    return torch.cat([torch.arange(start, start + per_rank) for start in starts])
+
+
+def replica_share(batch: TrainBatch, dp_rank: int, dp_size: int, minibatches: int = 1) -> TrainBatch:
+    """Data-parallel rank `dp_rank`'s share of a global batch trained in `minibatches` (`replica_rows`)."""
+    return batch.select(replica_rows(batch.batch_size, dp_rank, dp_size, minibatches))
+
+
 def pad_length(longest: int, multiple: int) -> int:
     """Smallest multiple of `multiple` that holds `longest` tokens."""
     return max(multiple, math.ceil(longest / multiple) * multiple)
@@ -150,10 +190,12 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
         end = start + len(sample.response_ids)
         mask[row, start:end] = 1.0
         behaviour[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
-    advantages = compute_advantages(advantage, rewards, group_ids=group_ids)
+    # float64: float32 would turn a reward of 1e39 into inf, and lose the spread of rewards near 1e20.
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long)
+    advantages = compute_advantages(advantage, rewards, group_ids=group_ids).float()
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     return TrainBatch(
-        tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths
-    )
+        tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths,
+        rewards=rewards, group_ids=group_ids,
+    )  # fmt: skip

@@ -1,5 +1,11 @@
-"""The learner: one trainer rank's policy model, optimizer and (with a KL penalty) frozen reference, and one RL
-step on a batch. No Ray and no rollout: the loop around it (`trainer/loop.py`) brings the batches.
+"""The learner: one trainer rank's policy model, optimizer and (with a KL penalty) frozen reference, and the RL
+updates of one batch. No Ray and no rollout: the loop around it (`trainer/loop.py`) brings the batches.
+
+One batch = `ppo_epochs` passes over `ppo_minibatches` contiguous mini-batches, one optimizer update each
+(`train_step.train_step`). The proximal policy is the one the batch starts from: with more than one update its
+logprobs are computed once, before the first (so the clip acts from the second update on); with one update they
+come from the training forward itself. The loop pushes the new weights to the engines once per batch, and a weight
+version counts batches.
 """
 
 from __future__ import annotations
@@ -7,17 +13,37 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from megatron_rl.config import RunConfig
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms.advantages import compute_advantages
+from megatron_rl.algorithms.kl import sequence_kl
+from megatron_rl.algorithms.objective import LossSpec
+from megatron_rl.config import AlgorithmConfig, RunConfig
 from megatron_rl.models.base import CheckpointError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.parallel.layout import layout_from_config
-from megatron_rl.trainer.batch import TrainBatch
+from megatron_rl.trainer.batch import TrainBatch, replica_rows
 from megatron_rl.trainer.checkpoint import load_checkpoint, load_rng, save_checkpoint, save_rng
 from megatron_rl.trainer.hf_weights import load_hf_into_model
 from megatron_rl.trainer.model import BuildOptions, build_gpt_model
-from megatron_rl.trainer.optimizer import build_training
+from megatron_rl.trainer.optimizer import TrainingState, build_training, unwrap_model
 from megatron_rl.trainer.setup import bring_up_from_hf
-from megatron_rl.trainer.train_step import compute_logprobs, train_step, with_proximal_logprobs
+from megatron_rl.trainer.train_step import (
+    broadcast_from_owner,
+    compute_logprobs,
+    loss_spec,
+    train_step,
+    with_proximal_logprobs,
+)
+
+SUMMED_STATS = ("batch/sequences", "batch/response_tokens")
+"""Stats of an update that add up over a batch's mini-batches (of one epoch); the rest are averaged."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many updates in a row had a loss or gradient norm that is not finite, or the weights are not."""
 
 
 def build_options(cfg: RunConfig) -> BuildOptions:
@@ -29,6 +55,117 @@ def build_options(cfg: RunConfig) -> BuildOptions:
     )  # fmt: skip
 
 
+def updates_per_batch(algo: AlgorithmConfig) -> int:
+    """Optimizer updates one batch takes (the LR schedule counts these)."""
+    return algo.ppo_minibatches * algo.ppo_epochs
+
+
+class SkipCounter:
+    """Updates skipped for a loss or gradient norm that is not finite: in all and in a row, with the limit."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total, self.in_a_row = limit, 0, 0
+
+    def record(self, skipped: bool, where: str) -> None:
+        """Count one update; NonFiniteError when `limit` were skipped in a row."""
+        self.total += int(skipped)
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"{self.in_a_row} updates in a row had a loss or gradient norm that is not finite (last: {where});"
+                f" algorithm.max_skipped_updates_in_a_row={self.limit}"
+            )
+
+
+def kl_in_reward(batch: TrainBatch, ctx: ParallelContext, algo: AlgorithmConfig) -> tuple[TrainBatch, float]:
+    """(Last-stage ranks) the share with advantages recomputed from `reward - kl_coef * sum_t KL_t` over the
+    whole global batch (behaviour vs reference logprobs, `kl_estimator`), and the batch's mean penalty."""
+    if batch.ref_logprobs is None or batch.rewards is None or batch.group_ids is None:
+        raise ValueError("algorithm.kl_in=reward needs ref_logprobs, rewards and group_ids in the batch")
+    kl = sequence_kl(batch.behaviour_logprobs, batch.ref_logprobs, batch.loss_mask, algo.kl_estimator)
+    parts = torch.stack([batch.rewards.double(), batch.group_ids.double(), algo.kl_coef * kl.double()])
+    gathered = [torch.empty_like(parts) for _ in range(ctx.layout.data_parallel)]
+    dist.all_gather(gathered, parts.to(ctx.device).contiguous(), group=ctx.dp_group)
+    dp, total = ctx.layout.data_parallel, batch.batch_size * ctx.layout.data_parallel
+    order = torch.cat([replica_rows(total, r, dp, algo.ppo_minibatches) for r in range(dp)])
+    full = torch.empty(3, total, dtype=torch.float64)
+    full[:, order] = torch.cat([g.cpu() for g in gathered], dim=1)
+    rewards, group_ids, penalties = full
+    advantages = compute_advantages(algo.advantage, rewards - penalties, group_ids=group_ids.long())
+    mine = advantages[replica_rows(total, ctx.dp_rank, dp, algo.ppo_minibatches)]
+    return batch.replace(advantages=mine.to(batch.advantages.dtype)), float(penalties.mean())
+
+
+def aggregate_updates(updates: list[dict], per_epoch: int) -> dict:
+    """One batch's stats from its updates' stats: sums of `SUMMED_STATS` over the first epoch, means of the
+    rest over the updates that were not skipped (over all when every one was), and the guard's counts."""
+    kept = [u for u in updates if not u.get("guard/skipped")] or updates
+    keys = {k for u in updates for k in u}
+    out = {k: sum(u[k] for u in kept if k in u) / max(1, sum(k in u for u in kept)) for k in keys}
+    for key in SUMMED_STATS:
+        if key in keys:
+            out[key] = sum(u.get(key, 0.0) for u in updates[:per_epoch])
+    out["grad_norm_max"] = max(u["grad_norm"] for u in updates)
+    out["ppo/updates"] = float(len(updates))
+    out["guard/skipped_updates"] = float(sum(u.get("guard/skipped", 0.0) for u in updates))
+    out["guard/skipped"] = float(all(u.get("guard/skipped", 0.0) for u in updates))
+    return out
+
+
+def train_batch(
+    state: TrainingState,
+    ctx: ParallelContext,
+    batch: TrainBatch,
+    algo: AlgorithmConfig,
+    spec: LossSpec,
+    micro_batch_size: int,
+    reference=None,
+    skips: SkipCounter | None = None,
+) -> dict:
+    """Every update of one batch (this replica's share): proximal and reference logprobs when needed, KL in the
+    reward, then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`)."""
+    updates = updates_per_batch(algo)
+    if spec.uses_proximal and (updates > 1 or spec.kept_mask_matters):
+        batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size)
+    extra = {}
+    if reference is not None:
+        ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size)  # last stage only, like the loss
+        if ref is not None:
+            batch = batch.replace(ref_logprobs=ref.to(batch.behaviour_logprobs.dtype))
+    if algo.kl_in == "reward":
+        if ctx.is_last_stage:  # only the last stage reads the advantages
+            batch, extra["kl/reward_penalty_mean"] = kl_in_reward(batch, ctx, algo)
+        extra = broadcast_from_owner(ctx, extra)
+    minibatches = batch.minibatches(algo.ppo_minibatches)
+    if minibatches[0].batch_size % micro_batch_size:
+        raise ValueError(
+            f"a mini-batch of {minibatches[0].batch_size} sequences (this replica's share / algorithm.ppo_minibatches)"
+            f" is not divisible by trainer.micro_batch_size={micro_batch_size}"
+        )
+    results = []
+    for epoch in range(algo.ppo_epochs):
+        for index, mb in enumerate(minibatches):
+            stats = train_step(state, ctx, mb, spec, micro_batch_size)
+            results.append(stats)
+            if skips is not None:
+                where = f"epoch {epoch} mini-batch {index}: loss {stats.get('loss')}, grad norm {stats['grad_norm']}"
+                skips.record(bool(stats["guard/skipped"]), where)
+    return aggregate_updates(results, len(minibatches)) | extra
+
+
+def weights_finite(model) -> bool:
+    """(Every rank, collectively) whether every parameter and buffer of every rank's model is finite."""
+    model = unwrap_model(model)  # Megatron's DDP wrapper shadows `buffers` with its gradient buffers
+    bad = 0.0
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = 1.0
+            break
+    flag = torch.tensor([bad], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
 class Learner:
     """This rank's model, optimizer and the settings of a step."""
 
@@ -37,8 +174,12 @@ class Learner:
         self.cfg = cfg
         layout = layout_from_config(cfg.trainer.parallel)
         self.rank = bring_up_from_hf(cfg.model.hf_path, layout, opts, timeout_s=cfg.trainer.collective_timeout_s)
-        self.state = build_training(self.rank.model, cfg.trainer.optimizer, cfg.steps)
+        self.state = build_training(
+            self.rank.model, cfg.trainer.optimizer, cfg.steps * updates_per_batch(cfg.algorithm)
+        )
         self.reference = self._reference_model(opts) if cfg.algorithm.kl_coef > 0 else None
+        self.spec = loss_spec(cfg.algorithm, cfg.rollout.max_new_tokens)
+        self.skips = SkipCounter(cfg.algorithm.max_skipped_updates_in_a_row)
 
     def _reference_model(self, opts: BuildOptions):
         """A frozen copy of the starting policy at the same layout, for the KL penalty."""
@@ -49,18 +190,20 @@ class Learner:
         return model
 
     def step(self, batch: TrainBatch) -> dict:
-        """Proximal logprobs (decoupled objective), then one optimizer step."""
-        mbs = self.cfg.trainer.micro_batch_size
+        """Every update of one batch (`train_batch`); stats with the guard's counts and the time taken."""
         t0 = time.perf_counter()
-        if self.cfg.algorithm.loss == "decoupled_ppo":
-            batch = with_proximal_logprobs(self.state.model, self.rank.ctx, batch, mbs)
-        if self.reference is not None:
-            ref = compute_logprobs(self.reference, self.rank.ctx, batch.tokens, mbs)  # last stage only, like the loss
-            if ref is not None:
-                batch = batch.replace(ref_logprobs=ref.to(batch.behaviour_logprobs.dtype))
-        stats = train_step(self.state, self.rank.ctx, batch, self.cfg.algorithm, mbs)
+        stats = train_batch(
+            self.state, self.rank.ctx, batch, self.cfg.algorithm, self.spec, self.cfg.trainer.micro_batch_size,
+            self.reference, self.skips,
+        )  # fmt: skip
+        stats["guard/skipped_updates_total"] = float(self.skips.total)
         stats["time/train_s"] = time.perf_counter() - t0
         return stats
+
+    def check_weights(self, step: int) -> None:
+        """(Every rank) NonFiniteError instead of letting weights that are not finite reach the engines."""
+        if not weights_finite(self.state.model):
+            raise NonFiniteError(f"the weights after step {step} are not finite: not pushing them to the engines")
 
     def save(self, folder: Path, step: int) -> None:
         """(Every rank) model, optimizer (layout-independent), LR scheduler and this rank's RNG into `folder`."""

@@ -1,14 +1,20 @@
-"""Per-token log-probabilities of given token sequences, computed vocab-parallel through the pipeline schedule.
+"""Per-token log-probabilities (and the policy's entropy) of given token sequences, computed vocab-parallel.
 
-The model is called with labels, so Megatron's vocab-parallel cross entropy returns -log p(token) per position:
-no rank ever materialises the full [tokens x vocab] logits when TP > 1.
+`forward_logprobs` calls the model with labels, so Megatron's vocab-parallel cross entropy returns -log p(token)
+per position. The training forward instead takes each TP rank's slice of the logits `[b, s, V / tp]` and computes
+the same cross entropy plus the entropy with all-reduces of the max, `sum exp` and `sum p z` over the TP group
+(`logprobs_and_entropy`): no rank ever materialises the full [tokens x vocab] logits when TP > 1.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from megatron_rl.algorithms.entropy import entropy_from_logits
 from megatron_rl.parallel.groups import ParallelContext
 
 
@@ -19,12 +25,17 @@ def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def model_inputs(tokens: torch.Tensor, device: torch.device, padding_mask: torch.Tensor | None = None) -> dict:
-    """Input ids, position ids and labels for a [batch, seq] token tensor (causal mask built by Megatron), and
-    the MoE routers' padding mask when given (see `stage_padding_mask`)."""
+def model_inputs(
+    tokens: torch.Tensor, device: torch.device, padding_mask: torch.Tensor | None = None, labels: bool = True
+) -> dict:
+    """Input ids, position ids and (unless `labels` is False: the model then returns its logits) labels for a
+    [batch, seq] token tensor (causal mask built by Megatron), and the MoE routers' padding mask when given (see
+    `stage_padding_mask`)."""
     tokens = tokens.to(device)
     positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    inputs = {"input_ids": tokens, "position_ids": positions, "attention_mask": None, "labels": shifted_labels(tokens)}
+    inputs = {"input_ids": tokens, "position_ids": positions, "attention_mask": None}
+    if labels:
+        inputs["labels"] = shifted_labels(tokens)
     if padding_mask is not None:
         inputs["padding_mask"] = padding_mask.to(device)
     return inputs
@@ -42,6 +53,38 @@ def stage_padding_mask(padding: torch.Tensor, ctx: ParallelContext, sequence_par
         return padding
     chunk = padding.shape[1] // ctx.layout.tp
     return padding[:, ctx.tp_rank * chunk : (ctx.tp_rank + 1) * chunk]
+
+
+def _tp_max(x: torch.Tensor) -> torch.Tensor:
+    """In-place max over the tensor-parallel group (no gradient: the entropy's shift is detached)."""
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    return x
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
+    """Per-position entropy `[b, s]` of the softmax of vocab-parallel `logits` `[b, s, V / tp]` (this TP rank's
+    slice); with `with_grad` its gradient flows back into the logits (the sums' all-reduce passes it unchanged)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        reduce_max = reduce_sum = None
+    else:
+        reduce_max, reduce_sum = _tp_max, reduce_from_tensor_model_parallel_region
+    with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+        return entropy_from_logits(logits.float(), reduce_max, reduce_sum)
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(label) `[b, s]` with gradient, entropy `[b, s]`) from vocab-parallel `logits` `[b, s, V / tp]`.
+
+    The logprobs are Megatron's vocab-parallel cross entropy, as with labels: the same numbers. Megatron's cross
+    entropy overwrites fp32 logits in place, so the entropy comes first, and when it needs its gradient the cross
+    entropy gets a copy.
+    """
+    entropy = vocab_parallel_entropy(logits, with_grad=entropy_grad)
+    source = logits.clone() if entropy_grad else logits
+    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(source.float(), labels)
+    return logprobs, entropy
 
 
 def _logprob_step(data_iterator, model):

@@ -1,14 +1,17 @@
 """The RL train step (Megatron DDP + optimizer + 1F1B schedule) on gloo processes, against an unsharded run.
 
 Every case of a world size runs in one torchrun launch (model-parallel groups rebuilt between cases); the tests
-then compare the reports. Tiny fp32 checkpoints, MoE aux loss off. Each case takes two optimizer steps on fixed
-batches (behaviour logprobs = transformers' logprobs plus noise, so IS weights and clipping are exercised) and
-records the logprobs of a fixed token batch before and after every step.
+then compare the reports. Tiny fp32 checkpoints, MoE aux loss off. Each case trains on fixed batches as the
+learner does (`learner.train_batch`: mini-batches, KL in the reward, the guards), usually two of them (behaviour
+logprobs = transformers' logprobs plus noise, so IS weights and clipping are exercised), and records the logprobs
+of a fixed token batch before and after every batch. Cases with NaN and inf inputs show that such an update is
+skipped and leaves every weight as it was.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,10 @@ the padding mask the update itself moves (logprobs after a step by 0.09, checked
 
 DECOUPLED = {"loss": "decoupled_ppo", "correction": "tis", "is_cap": 2.0, "kl_coef": 0.1, "loss_agg": "token_mean"}
 PPO_SEQ = {"loss": "ppo", "loss_agg": "seq_mean", "clip_low": 0.2, "clip_high": 0.28}
+MINIBATCHES = {**DECOUPLED, "ppo_minibatches": 4, "ppo_epochs": 1}
+ENTROPY = {**DECOUPLED, "entropy_coef": 0.05, "loss_agg": "seq_mean_token_sum"}
+KL_REWARD = {**DECOUPLED, "kl_in": "reward", "kl_coef": 0.5, "kl_estimator": "k1", "advantage": "grpo"}
+CISPO_DRGRPO = {"loss": "cispo", "correction": "mis", "is_cap": 1.5, "loss_agg": "seq_mean_token_sum_norm"}
 # Linear decay over 4 steps: the second step's lr (0.75e-3) shows the scheduler state survives a resume.
 OPTIM = {"lr": 1e-3, "lr_decay_style": "linear", "clip_grad": 1.0, "weight_decay": 0.01}
 
@@ -68,7 +75,24 @@ def make_batch(hf_dir: str, seed: int, noise: float = 0.3, positive: bool = Fals
         "behaviour_logprobs": behaviour,
         "ref_logprobs": ref,
         "lengths": lengths,
+        "rewards": torch.rand(BATCH, generator=gen, dtype=torch.float64),
+        "group_ids": torch.arange(BATCH) // 4,
     }
+
+
+def _poisoned(path: str, out: Path, how: str) -> str:
+    """The batch at `path` with one bad input, saved to `out`: a NaN or -inf behaviour logprob on a response
+    token, an infinite advantage, or an advantage so large that the loss is finite but the gradient norm is not."""
+    batch = torch.load(path)
+    row, col = 0, int(batch["loss_mask"][0].nonzero()[0])
+    if how in ("nan_logprob", "neginf_logprob"):
+        batch["behaviour_logprobs"][row, col] = float("nan") if how == "nan_logprob" else float("-inf")
+    elif how == "inf_advantage":
+        batch["advantages"][row] = float("inf")
+    elif how == "huge_advantage":
+        batch["advantages"][row] = 1e37
+    torch.save(batch, out)
+    return str(out)
 
 
 def _right_pad(path: str, out: Path, extra: int, seed: int) -> str:
@@ -124,6 +148,10 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
     ds_batches = [files["ds0"], files["ds1"]]
     ds_padded = [_right_pad(path, root / f"ds-padded-{i}.pt", extra=8, seed=i) for i, path in enumerate(ds_batches)]
     ckpt = str(root / "ckpt-ep2")
+    bad = [
+        _poisoned(files["moe1"], root / f"{how}.pt", how) for how in ("nan_logprob", "inf_advantage", "huge_advantage")
+    ]
+    neginf = _poisoned(files["moe1"], root / "neginf.pt", "neginf_logprob")
 
     def moe_case(name, layout, **kw):
         return _case(name, root, moe, layout, moe_batches, eval_path, **kw)
@@ -142,6 +170,14 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         # DeepSeek-V3's router has expert bias (no aux loss): its update counts tokens per expert.
         _case("ds-1x1x1", root, ds, {}, ds_batches, eval_path),
         _case("ds-padded-1x1x1", root, ds, {}, ds_padded, eval_path),
+        moe_case("moe-mb4-1x1x1", {}, algo=MINIBATCHES, total_steps=8),
+        moe_case("moe-proximal-pass-1x1x1", {}, mbs=4, proximal_pass=True),
+        moe_case("moe-entropy-1x1x1", {}, algo=ENTROPY),
+        moe_case("moe-klreward-1x1x1", {}, algo=KL_REWARD),
+        moe_case("moe-cispo-1x1x1", {}, algo=CISPO_DRGRPO),
+        _case("guard", root, moe, {}, [*bad, files["moe1"]], eval_path),
+        _case("guard-clean", root, moe, {}, [files["moe1"]], eval_path),
+        _case("neginf", root, moe, {}, [neginf], eval_path),
     ]
     world2 = [moe_case(f"moe-{name}", layout) for name, layout in LAYOUTS.items() if name != "ep2"]
     world2 += [
@@ -154,6 +190,12 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         _case("moe-aux-padded-pp2", root, moe, {"pp": 2}, padded_batches, eval_path, moe_aux_loss_coeff=0.01),
         dense_case("dense-tp2", {"tp": 2}),
         dense_case("dense-pp2", {"pp": 2}),
+        moe_case("moe-mb4-ep2", LAYOUTS["ep2"], algo=MINIBATCHES, mbs=1, total_steps=8),
+        moe_case("moe-mb4-pp2", {"pp": 2}, algo=MINIBATCHES, total_steps=8),
+        moe_case("moe-entropy-tp2", {"tp": 2}, algo=ENTROPY),
+        moe_case("moe-klreward-ep2", LAYOUTS["ep2"], algo=KL_REWARD),
+        moe_case("moe-cispo-ep2", LAYOUTS["ep2"], algo=CISPO_DRGRPO),
+        _case("guard-ep2", root, moe, LAYOUTS["ep2"], [*bad, files["moe1"]], eval_path),
     ]
     world2 += [
         _case(f"resume-{name}", root, moe, LAYOUTS[name], moe_batches[1:], eval_path, load_dir=ckpt)
@@ -194,7 +236,10 @@ def _check_match(ref: dict, got: dict) -> None:
         assert abs(want["loss"] - have["loss"]) <= LOSS_TOL, (i, want["loss"], have["loss"])
         assert abs(want["grad_norm"] - have["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (i, want, have)
         assert want["lr"] == pytest.approx(have["lr"], rel=1e-12)
-        for key in ("ppo/clip_frac", "is/weight_mean", "mismatch/abs_diff_mean", "batch/response_tokens"):
+        for key in (
+            "ppo/clip_frac", "is/weight_mean", "mismatch/abs_diff_mean", "batch/response_tokens", "policy/entropy",
+            "kl/reward_penalty_mean",
+        ):  # fmt: skip
             if key in want:
                 assert abs(want[key] - have[key]) <= 1e-4, (i, key, want[key], have[key])
     for i in range(len(ref["evals"])):
@@ -311,30 +356,104 @@ def test_resume_at_another_layout(reports, layout):
     assert _max_eval_diff({"evals": resumed["evals"]}, {"evals": full["evals"][1:]}, 1) <= LOGPROB_TOL
 
 
+def test_minibatches_make_the_clip_act_and_match_across_layouts(reports):
+    """Four updates per batch: the proximal policy is the batch's start, so the clip acts from the second update
+    on (one update per batch never clips: ratio exactly 1); the mini-batches are the same global rows at EP2
+    (data parallel) and PP2, so the runs match."""
+    ref = reports["moe-mb4-1x1x1"]
+    first = ref["steps"][0]
+    assert first["ppo/updates"] == 4 and first["batch/sequences"] == BATCH
+    assert first["ppo/clip_frac"] > 0 and first["ppo/ratio_max"] > 1.0
+    assert reports["moe-1x1x1"]["steps"][0]["ppo/clip_frac"] == 0
+    _check_match(ref, reports["moe-mb4-ep2"])
+    _check_match(ref, reports["moe-mb4-pp2"])
+
+
+def test_one_minibatch_takes_the_proximal_logprobs_from_the_training_forward(reports):
+    """The same step with a separate proximal forward (labels path) and from the training forward's own logits
+    (vocab-parallel cross entropy): the same logprobs, so the same update."""
+    single, two_pass = reports["moe-1x1x1"], reports["moe-proximal-pass-1x1x1"]
+    for want, have in zip(single["steps"], two_pass["steps"], strict=True):
+        assert abs(want["loss"] - have["loss"]) <= 1e-6 and have["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+        assert want["grad_norm"] == pytest.approx(have["grad_norm"], rel=1e-5)
+    assert _max_eval_diff(single, two_pass, 2) <= 1e-5
+
+
+def test_entropy_is_vocab_parallel_and_its_bonus_trains(reports):
+    """The entropy (metric and bonus) at TP2, each rank holding half of the vocabulary, equals TP1's; the bonus
+    changes the update (its gradient flows through the all-reduces)."""
+    ref = reports["moe-entropy-1x1x1"]
+    _check_match(ref, reports["moe-entropy-tp2"])
+    step = ref["steps"][0]
+    assert 0 < step["policy/entropy"] < math.log(VOCAB) and step["loss/entropy_bonus"] > 0
+    plain = reports["moe-1x1x1"]["steps"][0]
+    assert step["policy/entropy"] == pytest.approx(plain["policy/entropy"], rel=1e-5)  # same start, same metric
+    assert _max_eval_diff(ref, reports["moe-1x1x1"], 1) > 10 * LOGPROB_TOL
+
+
+def test_kl_in_the_reward_matches_across_layouts(reports):
+    ref = reports["moe-klreward-1x1x1"]
+    assert ref["steps"][0]["kl/reward_penalty_mean"] != 0 and "kl/penalty" not in ref["steps"][0]
+    _check_match(ref, reports["moe-klreward-ep2"])
+
+
+def test_cispo_with_the_dr_grpo_aggregation_matches_across_layouts(reports):
+    _check_match(reports["moe-cispo-1x1x1"], reports["moe-cispo-ep2"])
+
+
+@pytest.mark.parametrize("name", ["guard", "guard-ep2"])
+def test_non_finite_updates_are_skipped_and_change_nothing(reports, name):
+    """A NaN behaviour logprob, an infinite advantage, and an advantage of 1e37 (finite loss, infinite gradient
+    norm): each update is skipped, every weight stays bit for bit, the LR schedule does not move, and the clean
+    batch after them trains exactly as in a run that saw only it."""
+    guard, clean = reports[name], reports["guard-clean"]
+    for step in guard["steps"][:3]:
+        assert step["guard/skipped"] == 1 and step["update_successful"] == 0, step
+    assert not math.isfinite(guard["steps"][0]["loss"]) and not math.isfinite(guard["steps"][1]["loss"])
+    assert math.isfinite(guard["steps"][2]["loss"]) and not math.isfinite(guard["steps"][2]["grad_norm"])
+    assert all(torch.equal(guard["evals"][0], e) for e in guard["evals"][1:4])
+    last = guard["steps"][3]
+    assert last["guard/skipped"] == 0 and last["lr"] == clean["steps"][0]["lr"]
+    assert abs(last["loss"] - clean["steps"][0]["loss"]) <= LOSS_TOL
+    assert _max_eval_diff({"evals": guard["evals"][3:]}, clean, 1) <= LOGPROB_TOL
+
+
+def test_a_minus_infinity_behaviour_logprob_trains(reports):
+    """-inf from the engine is a ratio clamped at exp(20) (truncated by TIS), not a NaN: the update goes on."""
+    step = reports["neginf"]["steps"][0]
+    assert step["guard/skipped"] == 0 and math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"])
+
+
 @pytest.mark.parametrize(
     "algo",
     [
         DECOUPLED,
-        {**DECOUPLED, "correction": "mis", "is_cap": 1.2, "loss_agg": "seq_mean"},
-        {**DECOUPLED, "correction": "seq_mis", "is_cap": 1.1},
+        {**DECOUPLED, "correction": "mis", "is_cap": 1.2, "loss_agg": "seq_mean", "is_normalizer": "kept"},
+        {**DECOUPLED, "correction": "seq_mis", "is_cap": 1.5},
+        {**DECOUPLED, "correction": "geo_mis", "is_cap": 1.1, "veto_max": 2.0, "is_normalizer": "kept"},
+        {**DECOUPLED, "loss": "gspo", "loss_agg": "seq_mean_token_sum", "entropy_coef": 0.1},
+        {**DECOUPLED, "loss": "cispo", "loss_agg": "seq_mean_token_sum_norm", "kl_estimator": "k3+"},
         PPO_SEQ,
     ],
-    ids=["tis-token", "mis-seq", "seqmis-token", "ppo-seq"],
+    ids=["tis-token", "mis-seq-kept", "seqmis-token", "geomis-veto", "gspo-seqsum", "cispo-drgrpo", "ppo-seq"],
 )
 def test_global_normaliser_decomposition(algo):
     """No processes: the micro-batch shares (2 DP shares x micro-batches, global denominators) sum to the
-    whole-batch `policy_loss` (+ KL), and so do their gradients, also when a masking correction drops tokens."""
-    from megatron_rl.algorithms.losses import policy_loss
+    whole-batch `policy_loss` (+ KL, + entropy), and so do their gradients, also when a masking correction drops
+    tokens."""
+    from megatron_rl.algorithms.objective import policy_loss
     from megatron_rl.config import AlgorithmConfig
     from megatron_rl.trainer.batch import TrainBatch, data_parallel_shard
-    from megatron_rl.trainer.train_step import local_counts, micro_batch_loss, normalizers_from_counts
+    from megatron_rl.trainer.train_step import local_counts, loss_spec, micro_batch_loss, normalizers_from_counts
 
     cfg = AlgorithmConfig(**algo)
+    spec = loss_spec(cfg, max_new_tokens=11)
     gen = torch.Generator().manual_seed(0)
     b, s = 8, 12
     mask = (torch.rand(b, s - 1, generator=gen) < 0.6).float()
     mask[3] = 0  # an empty sequence
     current = -torch.rand(b, s - 1, generator=gen) * 3
+    entropy = torch.rand(b, s - 1, generator=gen) * 2
     batch = TrainBatch(
         tokens=torch.zeros(b, s, dtype=torch.long),
         loss_mask=mask,
@@ -343,22 +462,35 @@ def test_global_normaliser_decomposition(algo):
         proximal_logprobs=current + 0.1 * torch.randn(b, s - 1, generator=gen),
         ref_logprobs=current + 0.2 * torch.randn(b, s - 1, generator=gen),
     )
-    whole_lp = current.clone().requires_grad_(True)
+    whole_lp, whole_ent = current.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
     whole, _ = policy_loss(
-        cfg.loss, whole_lp, batch.proximal_logprobs, batch.behaviour_logprobs, batch.advantages, mask,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, correction=cfg.correction, is_cap=cfg.is_cap,
-        agg=cfg.loss_agg, ref_logprobs=batch.ref_logprobs, kl_coef=cfg.kl_coef,
+        spec, whole_lp, batch.proximal_logprobs, batch.behaviour_logprobs, batch.advantages, mask,
+        ref_logprobs=batch.ref_logprobs, entropy=whole_ent,
     )  # fmt: skip
     whole.backward()
     shares = [data_parallel_shard(batch, r, 2) for r in range(2)]
-    norms = normalizers_from_counts(sum(local_counts(share, cfg) for share in shares))
-    parts_lp = current.clone().requires_grad_(True)
+    norms = normalizers_from_counts(sum(local_counts(share, spec) for share in shares))
+    parts_lp, parts_ent = current.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
     total = 0.0
     for r, share in enumerate(shares):
         for m, mb in enumerate(share.split(2)):
             rows = slice(r * 4 + m * 2, r * 4 + m * 2 + 2)
-            loss, _ = micro_batch_loss(parts_lp[rows], mb, cfg, norms)
+            loss, _ = micro_batch_loss(parts_lp[rows], mb, spec, norms, parts_ent[rows])
             total = total + loss
     total.backward()
     assert float(total.detach()) == pytest.approx(float(whole.detach()), abs=1e-6)
     assert torch.allclose(parts_lp.grad, whole_lp.grad, atol=1e-7)
+    if cfg.entropy_coef > 0:
+        assert torch.allclose(parts_ent.grad, whole_ent.grad, atol=1e-7)
+    else:  # a metric only: no gradient into the entropy
+        assert parts_ent.grad is None and whole_ent.grad is None
+
+
+def test_replica_rows_give_every_layout_the_same_minibatches():
+    from megatron_rl.trainer.batch import replica_rows
+
+    rows = [replica_rows(16, r, 2, 4).tolist() for r in range(2)]
+    assert rows == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+    assert replica_rows(16, 1, 2).tolist() == list(range(8, 16))  # one mini-batch: the contiguous slice
+    with pytest.raises(ValueError, match="ppo_minibatches=3"):
+        replica_rows(16, 0, 2, 3)

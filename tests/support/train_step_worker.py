@@ -3,7 +3,8 @@
 Spec file (JSON): {"cases": [case, ...]}; each case:
     hf            HF checkpoint folder to start from
     layout        ParallelLayout fields
-    algo          AlgorithmConfig fields
+    algo          AlgorithmConfig fields (mini-batches, KL in the reward, guards: all as the learner runs them)
+    proximal_pass (optional) compute proximal logprobs with a separate forward even for one mini-batch
     optimizer     OptimizerConfig fields
     micro_batch_size, total_steps (LR schedule length), moe_aux_loss_coeff (default 0)
     batches       paths of saved global batches (dicts of TrainBatch fields), one per step
@@ -26,12 +27,13 @@ import torch
 
 from megatron_rl.config import AlgorithmConfig, OptimizerConfig
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.trainer.batch import TrainBatch, data_parallel_shard
+from megatron_rl.trainer.batch import TrainBatch, replica_share
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.trainer.learner import train_batch
 from megatron_rl.trainer.model import BuildOptions
 from megatron_rl.trainer.optimizer import build_training
 from megatron_rl.trainer.setup import bring_up_from_hf
-from megatron_rl.trainer.train_step import compute_logprobs, train_step, with_proximal_logprobs
+from megatron_rl.trainer.train_step import compute_logprobs, loss_spec, with_proximal_logprobs
 from megatron_rl.workers import run_cases
 
 
@@ -44,13 +46,13 @@ def _stats_owner(ctx) -> bool:
     return ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
 
 
-def _one_step(state, ctx, batch, algo, mbs: int) -> dict:
-    """Shard the global batch for this DP rank, recompute proximal logprobs when needed, take a step."""
-    share = data_parallel_shard(batch, ctx.dp_rank, ctx.layout.data_parallel)
-    if algo.loss == "decoupled_ppo":
+def _one_step(state, ctx, batch, algo, mbs: int, proximal_pass: bool) -> dict:
+    """Shard the global batch for this DP rank and train on it as the learner does (`train_batch`)."""
+    share = replica_share(batch, ctx.dp_rank, ctx.layout.data_parallel, algo.ppo_minibatches)
+    if proximal_pass:
         share = with_proximal_logprobs(state.model, ctx, share, mbs)
     start = time.perf_counter()
-    stats = train_step(state, ctx, share, algo, mbs)
+    stats = train_batch(state, ctx, share, algo, loss_spec(algo, max_new_tokens=24), mbs)
     stats["seconds"] = time.perf_counter() - start
     return stats
 
@@ -90,7 +92,7 @@ def run_case(case: dict) -> None:
     evals = [compute_logprobs(state.model, ctx, eval_tokens, mbs)]
     steps = []
     for i, path in enumerate(case["batches"]):
-        steps.append(_one_step(state, ctx, load_batch(path), algo, mbs))
+        steps.append(_one_step(state, ctx, load_batch(path), algo, mbs, bool(case.get("proximal_pass"))))
         evals.append(compute_logprobs(state.model, ctx, eval_tokens, mbs))
         if case.get("save_dir") and case.get("save_after") == i + 1:
             _save(state, rank, case, i + 1)

@@ -1,12 +1,16 @@
-"""algorithms/: every public function against a float64 reference written here with loops over python floats.
+"""algorithms/: advantages, masked reductions and the loss aggregations, entropy, step metrics and distillation,
+against float64 references written here with loops over python floats (no calls into the implementation).
 
-The data is off-policy (behaviour != proximal != current logprobs), masks have variable lengths and holes,
-padding holds NaN (it must never reach a result or a gradient), groups have several sizes.
+The shared data (also used by test_corrections.py, test_losses.py and test_kl.py) is off-policy (behaviour !=
+proximal != current logprobs), with extreme ratios (log ratios of +-25 to +-100, beyond every clamp), masks of
+variable lengths with holes, NaN in the padding (it must never reach a result or a gradient), and groups of
+several sizes.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -15,16 +19,16 @@ import torch
 from megatron_rl import algorithms as alg
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-CORRECTIONS = ("none", "tis", "mis", "seq_tis", "seq_mis")
-CAPS = {"none": 1.5, "tis": 1.5, "mis": 1.5, "seq_tis": 1.1, "seq_mis": 1.1}
-
+AGGS = ("token_mean", "seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+NORM_TOKENS = 7
 
 # ----------------------------------------------------------------------------------------------------------------
 # data
 
 
-def make_batch(seed: int = 0, batch: int = 12, seq: int = 9, dtype=torch.float64) -> dict[str, torch.Tensor]:
-    """Off-policy token data with NaN padding: row 0 is all-masked, row 1 full, row 2 has proximal == behaviour."""
+def make_batch(seed: int = 0, batch: int = 12, seq: int = 9, dtype=torch.float64, extreme: bool = True) -> dict:
+    """Off-policy token data with NaN padding: row 0 is all-masked, row 1 full, row 2 has proximal == behaviour;
+    with `extreme`, rows 3 and 4 hold log ratios far beyond the clamps (+-25 .. +-100)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, seq + 1, (batch,), generator=g)
     lengths[0], lengths[1] = 0, seq
@@ -32,11 +36,16 @@ def make_batch(seed: int = 0, batch: int = 12, seq: int = 9, dtype=torch.float64
     holes = torch.rand(batch, seq, generator=g) < 0.15
     holes[1] = False
     mask &= ~holes
+    mask[3, :3] = mask[4, :3] = True
     behav = -4.0 * torch.rand(batch, seq, generator=g, dtype=torch.float64) - 0.01
     prox = behav + 0.5 * torch.randn(batch, seq, generator=g, dtype=torch.float64)
     prox[2] = behav[2]  # ratios exactly 1
     cur = prox + 0.3 * torch.randn(batch, seq, generator=g, dtype=torch.float64)
     ref = cur + 0.4 * torch.randn(batch, seq, generator=g, dtype=torch.float64)
+    if extreme:
+        prox[3, 0], prox[3, 1], prox[4, 0] = behav[3, 0] + 30.0, behav[3, 1] - 100.0, behav[4, 0] - 25.0
+        cur[3, 2], cur[4, 1] = prox[3, 2] + 25.0, prox[4, 1] - 60.0
+        ref[3, 0], ref[4, 2] = cur[3, 0] + 100.0, cur[4, 2] - 100.0
     adv = torch.randn(batch, generator=g, dtype=torch.float64)
     nan = torch.tensor(float("nan"), dtype=torch.float64)
     out = {name: torch.where(mask, t, nan).to(dtype) for name, t in [("behav", behav), ("prox", prox), ("cur", cur)]}
@@ -57,8 +66,36 @@ def close(actual, expected, **tol) -> None:
     np.testing.assert_allclose(torch.as_tensor(actual).detach().double().numpy(), np.asarray(expected, float), **tol)
 
 
+def clamp(x: float, bound: float = 20.0) -> float:
+    """x clamped to [-bound, bound] (the bound every log ratio gets before exp, as verl)."""
+    return max(-bound, min(bound, x))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # references (float64, loops, no calls into the implementation)
+
+
+def ref_aggregate(values, grads, mask, agg: str, normalizer=None, norm_tokens: int = NORM_TOKENS):
+    """Aggregated loss and d(loss)/d(token) given per-token values and per-token derivatives."""
+    nb, nt = len(mask), len(mask[0])
+    dloss = [[0.0] * nt for _ in range(nb)]
+    toks = [[t for t in range(nt) if mask[i][t]] for i in range(nb)]
+    nonempty = [i for i in range(nb) if toks[i]]
+    if agg in ("token_mean", "seq_mean_token_sum_norm"):
+        n = sum(len(x) for x in toks) if agg == "token_mean" else nb * norm_tokens
+        denom = normalizer if normalizer is not None else max(n, 1)
+        for i in range(nb):
+            for t in toks[i]:
+                dloss[i][t] = grads[i][t] / denom
+        return sum(values[i][t] for i in range(nb) for t in toks[i]) / denom, dloss
+    denom = normalizer if normalizer is not None else max(len(nonempty), 1)
+    total = 0.0
+    for i in nonempty:
+        per = 1.0 / len(toks[i]) if agg == "seq_mean" else 1.0
+        total += per * sum(values[i][t] for t in toks[i])
+        for t in toks[i]:
+            dloss[i][t] = per * grads[i][t] / denom
+    return total / denom, dloss
 
 
 def ref_groups(rewards: list[float], ids: list[int]) -> dict[int, list[int]]:
@@ -69,139 +106,45 @@ def ref_groups(rewards: list[float], ids: list[int]) -> dict[int, list[int]]:
 
 
 def ref_grpo(rewards: list[float], ids: list[int], normalize_std: bool, eps: float = 1e-6) -> list[float]:
+    """GRPO (Shao et al. 2024): (r - mean) / (std + eps) per group; Dr. GRPO (Liu et al. 2025) drops the std."""
     out = [0.0] * len(rewards)
     for idx in ref_groups(rewards, ids).values():
         vals = [rewards[i] for i in idx]
         n = len(vals)
         if n < 2 or all(v == vals[0] for v in vals):
             continue
-        mean = sum(vals) / n
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+        mean = math.fsum(vals) / n
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / (n - 1))
         for i in idx:
             out[i] = (rewards[i] - mean) / (std + eps) if normalize_std else rewards[i] - mean
     return out
 
 
 def ref_rloo(rewards: list[float], ids: list[int]) -> list[float]:
+    """RLOO (Ahmadian et al. 2024): r_i minus the mean of the group's other rewards."""
     out = [0.0] * len(rewards)
     for idx in ref_groups(rewards, ids).values():
         if len(idx) < 2 or all(rewards[i] == rewards[idx[0]] for i in idx):
             continue
         for i in idx:
             others = [rewards[j] for j in idx if j != i]
-            out[i] = rewards[i] - sum(others) / len(others)
+            out[i] = rewards[i] - math.fsum(others) / len(others)
     return out
-
-
-def ref_importance(prox, behav, mask, correction: str, cap: float):
-    """Weights, effective mask, truncated fraction, masked fraction."""
-    nb, nt = len(mask), len(mask[0])
-    w = [[0.0] * nt for _ in range(nb)]
-    eff = [[False] * nt for _ in range(nb)]
-    units = truncated = masked = 0
-    for i in range(nb):
-        toks = [t for t in range(nt) if mask[i][t]]
-        if correction in ("none", "tis", "mis"):
-            for t in toks:
-                units += 1
-                r = math.exp(prox[i][t] - behav[i][t])
-                if correction == "none":
-                    w[i][t], eff[i][t] = 1.0, True
-                elif correction == "tis":
-                    w[i][t], eff[i][t] = min(r, cap), True
-                    truncated += r > cap
-                elif r <= cap:
-                    w[i][t], eff[i][t] = r, True
-                else:
-                    masked += 1
-            continue
-        if not toks:
-            continue
-        units += 1
-        r = math.exp(sum(prox[i][t] - behav[i][t] for t in toks) / len(toks))
-        for t in toks:
-            if correction == "seq_tis":
-                w[i][t], eff[i][t] = min(r, cap), True
-            elif r <= cap:
-                w[i][t], eff[i][t] = r, True
-        truncated += correction == "seq_tis" and r > cap
-        masked += correction == "seq_mis" and r > cap
-    return w, eff, truncated / max(units, 1), masked / max(units, 1)
-
-
-def ref_token_ppo(cur: float, anchor: float, adv: float, clip_low: float, clip_high: float):
-    """Per-token loss -min(rA, clip(r)A), its derivative in `cur`, and (low, high) clip activity."""
-    r = math.exp(cur - anchor)
-    unclipped = r * adv
-    clipped = min(max(r, 1 - clip_low), 1 + clip_high) * adv
-    low = adv < 0 and r < 1 - clip_low
-    high = adv > 0 and r > 1 + clip_high
-    if unclipped <= clipped:
-        return -unclipped, -adv * r, low, high
-    return -clipped, 0.0, low, high
-
-
-def ref_aggregate(values, grads, mask, agg: str, normalizer=None):
-    """Aggregated loss and d(loss)/d(token) given per-token values and per-token derivatives."""
-    nb, nt = len(mask), len(mask[0])
-    dloss = [[0.0] * nt for _ in range(nb)]
-    if agg == "token_mean":
-        n = sum(1 for i in range(nb) for t in range(nt) if mask[i][t])
-        denom = normalizer if normalizer is not None else max(n, 1)
-        total = 0.0
-        for i in range(nb):
-            for t in range(nt):
-                if mask[i][t]:
-                    total += values[i][t]
-                    dloss[i][t] = grads[i][t] / denom
-        return total / denom, dloss
-    nonempty = [i for i in range(nb) if any(mask[i])]
-    denom = normalizer if normalizer is not None else max(len(nonempty), 1)
-    total = 0.0
-    for i in nonempty:
-        toks = [t for t in range(nt) if mask[i][t]]
-        total += sum(values[i][t] for t in toks) / len(toks)
-        for t in toks:
-            dloss[i][t] = grads[i][t] / len(toks) / denom
-    return total / denom, dloss
-
-
-def ref_decoupled(data, correction, cap, clip_low, clip_high, agg, normalizer=None):
-    """Decoupled PPO loss, gradient in `cur`, and stats, from python floats."""
-    cur, prox, behav, mask = rows(data["cur"]), rows(data["prox"]), rows(data["behav"]), rows(data["mask"])
-    adv = rows(data["adv"])
-    w, eff, trunc, masked = ref_importance(prox, behav, mask, correction, cap)
-    nb, nt = len(mask), len(mask[0])
-    vals = [[0.0] * nt for _ in range(nb)]
-    grads = [[0.0] * nt for _ in range(nb)]
-    ratios, lows, highs = [], 0, 0
-    for i in range(nb):
-        for t in range(nt):
-            if eff[i][t]:
-                v, g, lo, hi = ref_token_ppo(cur[i][t], prox[i][t], adv[i], clip_low, clip_high)
-                vals[i][t], grads[i][t] = w[i][t] * v, w[i][t] * g
-                ratios.append(math.exp(cur[i][t] - prox[i][t]))
-                lows, highs = lows + lo, highs + hi
-    loss, dloss = ref_aggregate(vals, grads, eff, agg, normalizer)
-    n = max(len(ratios), 1)
-    stats = {
-        "ppo/clip_frac": (lows + highs) / n,
-        "ppo/clip_frac_low": lows / n,
-        "ppo/clip_frac_high": highs / n,
-        "ppo/ratio_mean": sum(ratios) / n,
-        "ppo/ratio_max": max(ratios, default=0.0),
-        "ppo/ratio_min": min(ratios, default=0.0),
-        "ppo/approx_kl": sum(r - 1 - math.log(r) for r in ratios) / n,
-        "ppo/tokens": float(len(ratios)),
-        "is/truncated_frac": trunc,
-        "is/masked_frac": masked,
-    }
-    return loss, dloss, stats, w, eff
 
 
 def ref_ess(weights: list[float]) -> float:
     s1, s2 = sum(weights), sum(x * x for x in weights)
     return 0.0 if not weights or s2 == 0 else s1 * s1 / s2 / len(weights)
+
+
+def ref_entropy(logits: list[float]) -> tuple[float, list[float]]:
+    """-sum p log p of softmax(logits) and its derivative in each logit, -p_v (z_v - sum_u p_u z_u)."""
+    top = max(logits)
+    exps = [math.exp(z - top) for z in logits]
+    total = math.fsum(exps)
+    p = [e / total for e in exps]
+    mean_z = math.fsum(pv * z for pv, z in zip(p, logits))
+    return -math.fsum(pv * math.log(pv) for pv in p if pv > 0), [-pv * (z - mean_z) for pv, z in zip(p, logits)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -228,8 +171,7 @@ def test_advantages_match_reference(kind, seed):
     expected = ref_rloo(r, i) if kind == "rloo" else ref_grpo(r, i, normalize_std=kind == "grpo")
     got = alg.compute_advantages(kind, rewards, group_ids=ids)
     close(got, expected)
-    zero_var = ids == 4
-    assert torch.all(got[zero_var] == 0) and torch.all(got[ids == 9] == 0)  # exactly 0, no NaN
+    assert torch.all(got[ids == 4] == 0) and torch.all(got[ids == 9] == 0)  # exactly 0, no NaN
     assert torch.isfinite(got).all()
 
 
@@ -239,12 +181,21 @@ def test_advantages_fixed_group_size_equals_ids(kind):
     rewards = torch.randint(0, 2, (12,), generator=g).double()  # 0/1 rewards: some groups have zero variance
     ids = torch.arange(12) // 4
     close(alg.compute_advantages(kind, rewards, group_size=4), rows(alg.compute_advantages(kind, rewards, ids)))
-    expected = (
-        ref_rloo(rows(rewards), ids.tolist())
-        if kind == "rloo"
-        else ref_grpo(rows(rewards), ids.tolist(), kind == "grpo")
-    )
+    r = rows(rewards)
+    expected = ref_rloo(r, ids.tolist()) if kind == "rloo" else ref_grpo(r, ids.tolist(), kind == "grpo")
     close(alg.compute_advantages(kind, rewards, group_size=4), expected)
+
+
+def test_advantages_of_huge_rewards_stay_exact_in_float64():
+    """Rewards near 1e20 (a spread of 1e5) and near 1e30: float32 loses them (all-zero or NaN advantages)."""
+    rewards = torch.tensor([1e20, 1e20 + 2**17, 1e20 + 2**19, 1e30, -1e30, 3e30], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+    for kind in ("grpo", "grpo_no_std", "rloo"):
+        got = alg.compute_advantages(kind, rewards, group_ids=ids)
+        r = rows(rewards)
+        expected = ref_rloo(r, ids.tolist()) if kind == "rloo" else ref_grpo(r, ids.tolist(), kind == "grpo")
+        close(got, expected, rtol=1e-9, atol=1e-12)
+        assert torch.isfinite(got).all() and bool((got[:3] != 0).all())
 
 
 def test_advantages_float32_and_integer_rewards():
@@ -281,319 +232,94 @@ def test_broadcast_to_tokens():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# importance weights
+# masked reductions and aggregations
 
 
-@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
-@pytest.mark.parametrize("correction", CORRECTIONS)
-def test_importance_weights_match_reference(correction, mask_dtype):
-    data = make_batch(1)
-    cap = CAPS[correction]
-    w, eff, trunc, masked = ref_importance(rows(data["prox"]), rows(data["behav"]), rows(data["mask"]), correction, cap)
-    res = alg.importance_weights(data["prox"], data["behav"], data["mask"].to(mask_dtype), correction, cap)
-    close(res.weights, w)
-    assert res.mask.dtype == torch.bool and res.mask.tolist() == eff
-    close(res.stats["is/truncated_frac"], trunc)
-    close(res.stats["is/masked_frac"], masked)
-    flat = [w[i][t] for i in range(len(w)) for t in range(len(w[0])) if eff[i][t]]
-    close(res.stats["is/weight_mean"], sum(flat) / len(flat))
-    close(res.stats["is/weight_max"], max(flat))
-    close(res.stats["is/weight_min"], min(flat))
-    close(res.stats["is/ess"], ref_ess(flat))
-    if correction in ("tis", "seq_tis"):
-        assert 0 < trunc < 1  # the data exercises both branches
-    if correction in ("mis", "seq_mis"):
-        assert 0 < masked < 1
-    assert not res.weights.requires_grad and torch.isfinite(res.weights).all()
-    assert not res.mask[0].any()  # the all-masked row stays out
+def test_masked_reductions_ignore_padding():
+    x = torch.tensor([[1.0, float("nan"), 3.0], [float("inf"), 2.0, -4.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1], [0, 1, 1]])
+    close(alg.masked_sum(x, mask), 2.0)
+    close(alg.masked_mean(x, mask), 0.5)
+    close(alg.masked_mean(x, mask, dim=-1), [2.0, -1.0])
+    close(alg.masked_max(x, mask), 3.0)
+    close(alg.masked_min(x, mask), -4.0)
+    close(alg.aggregate_loss(x, mask, "seq_mean"), 0.5)
+    close(alg.aggregate_loss(x, mask, "seq_mean_token_sum"), (4.0 - 2.0) / 2)
+    close(alg.aggregate_loss(x, mask, "seq_mean_token_sum_norm", norm_tokens=5), 2.0 / (2 * 5))
+    with pytest.raises(ValueError, match="loss aggregation 'sum'"):
+        alg.aggregate_loss(x, mask, "sum")
+    with pytest.raises(ValueError, match="needs norm_tokens"):
+        alg.aggregate_loss(x, mask, "seq_mean_token_sum_norm")
 
 
-def test_importance_weights_are_detached():
-    data = make_batch(2)
-    prox = data["prox"].clone().requires_grad_(True)
-    res = alg.importance_weights(prox, data["behav"], data["mask"], "tis", 1.5)
-    assert not res.weights.requires_grad
-
-
-@pytest.mark.parametrize("correction", ["tis", "mis", "seq_tis", "seq_mis"])
-def test_cap_exactly_hit_is_kept_untruncated(correction):
-    """Ratios exactly equal to the cap (proximal == behaviour, cap 1.0) keep weight 1 and are not counted."""
-    behav = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], dtype=torch.float64)
-    prox = behav.clone()
-    prox[1, 0] += 0.25  # this token (and its sequence) goes over the cap
-    mask = torch.ones(2, 3, dtype=torch.bool)
-    res = alg.importance_weights(prox, behav, mask, correction, cap=1.0)
-    assert torch.equal(res.weights[0], torch.ones(3, dtype=torch.float64))
-    assert res.mask[0].all()
-    over = 1 / 6 if correction in ("tis", "mis") else 1 / 2
-    key = "is/truncated_frac" if correction.endswith("tis") else "is/masked_frac"
-    close(res.stats[key], over)
-    if correction == "mis":
-        assert res.mask[1].tolist() == [False, True, True] and res.weights[1, 0] == 0
-    if correction == "seq_mis":
-        assert not res.mask[1].any() and torch.all(res.weights[1] == 0)
-    if correction == "tis":
-        assert res.weights[1, 0] == 1.0
-    if correction == "seq_tis":
-        assert torch.all(res.weights[1] == 1.0)
-
-
-def test_sequence_log_ratio_and_errors():
-    data = make_batch(5)
-    prox, behav, mask = rows(data["prox"]), rows(data["behav"]), rows(data["mask"])
-    expected = []
-    for i in range(len(mask)):
-        diffs = [prox[i][t] - behav[i][t] for t in range(len(mask[0])) if mask[i][t]]
-        expected.append(sum(diffs) / len(diffs) if diffs else 0.0)
-    close(alg.sequence_log_ratio(data["prox"], data["behav"], data["mask"]), expected)
-    with pytest.raises(ValueError, match="correction 'bogus'"):
-        alg.importance_weights(data["prox"], data["behav"], data["mask"], "bogus")
-    with pytest.raises(ValueError, match="is_cap=0"):
-        alg.importance_weights(data["prox"], data["behav"], data["mask"], "tis", 0)
+@pytest.mark.parametrize("agg", AGGS)
+def test_aggregations_value_gradient_and_shares(agg):
+    """Each aggregation against its formula, and the sum of shares (numerator over a global denominator) equals
+    the whole batch, as the trainer's micro-batches and data-parallel ranks compute it."""
+    data = make_batch(20)
+    x = data["cur"].clone().requires_grad_(True)
+    loss = alg.aggregate_loss(x, data["mask"], agg, norm_tokens=NORM_TOKENS)
+    loss.backward()
+    m, v = rows(data["mask"]), rows(data["cur"])
+    ones = [[1.0] * len(m[0]) for _ in m]
+    ref_loss, ref_grad = ref_aggregate(v, ones, m, agg)
+    close(loss, ref_loss)
+    close(x.grad, ref_grad)
+    denom = sum(alg.loss_denominator(data["mask"][r : r + 3], agg, NORM_TOKENS) for r in range(0, 12, 3))
+    parts = sum(alg.loss_numerator(data["cur"][r : r + 3], data["mask"][r : r + 3], agg) for r in range(0, 12, 3))
+    close(parts / denom, ref_loss)
+    empty = alg.aggregate_loss(x, torch.zeros_like(data["mask"]), agg, norm_tokens=NORM_TOKENS)
+    assert empty.item() == 0.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# losses
+# entropy
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
-@pytest.mark.parametrize("token_adv", [False, True])
-def test_ppo_clip_loss_value_and_gradient(agg, token_adv):
-    data = make_batch(6)
-    cur = data["cur"].clone().requires_grad_(True)
-    old = data["behav"].clone().requires_grad_(True)
-    adv = data["adv"].clone()
-    if token_adv:  # token-level advantages: vary along the sequence
-        adv = adv[:, None] * torch.linspace(0.5, 1.5, cur.shape[1], dtype=torch.float64)[None, :]
-    adv.requires_grad_(True)
-    loss, stats = alg.ppo_clip_loss(cur, old, adv, data["mask"], 0.2, 0.28, agg)
-    loss.backward()
-
-    c, o, m, a = rows(data["cur"]), rows(data["behav"]), rows(data["mask"]), rows(adv)
-    nb, nt = len(m), len(m[0])
-    vals = [[0.0] * nt for _ in range(nb)]
-    grads = [[0.0] * nt for _ in range(nb)]
-    clip_active = n = 0
-    for i in range(nb):
-        for t in range(nt):
-            if m[i][t]:
-                a_it = a[i][t] if token_adv else a[i]
-                vals[i][t], grads[i][t], lo, hi = ref_token_ppo(c[i][t], o[i][t], a_it, 0.2, 0.28)
-                clip_active, n = clip_active + (lo or hi), n + 1
-    ref_loss, ref_grad = ref_aggregate(vals, grads, m, agg)
-    close(loss, ref_loss)
-    close(cur.grad, ref_grad)
-    close(stats["ppo/clip_frac"], clip_active / n)
-    assert 0 < clip_active < n
-    assert old.grad is None and adv.grad is None  # gradient flows only through current logprobs
-    assert cur.grad[0].abs().sum() == 0 and torch.isfinite(cur.grad).all()
+def test_entropy_value_and_gradient_match_reference():
+    g = torch.Generator().manual_seed(21)
+    logits = 3 * torch.randn(4, 3, 11, generator=g, dtype=torch.float64)
+    logits[0, 0, 3] = 80.0  # one dominant logit: the shift keeps exp finite
+    x = logits.clone().requires_grad_(True)
+    h = alg.entropy_from_logits(x)
+    h.sum().backward()
+    for b in range(4):
+        for s in range(3):
+            value, grad = ref_entropy(rows(logits[b, s]))
+            close(h[b, s], value, rtol=1e-9, atol=1e-12)
+            close(x.grad[b, s], grad, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
-@pytest.mark.parametrize("correction", CORRECTIONS)
-def test_decoupled_ppo_value_gradient_and_stats(correction, agg):
-    data = make_batch(7)
-    cap = CAPS[correction]
-    cur = data["cur"].clone().requires_grad_(True)
-    prox = data["prox"].clone().requires_grad_(True)
-    behav = data["behav"].clone().requires_grad_(True)
-    adv = data["adv"].clone().requires_grad_(True)
-    loss, stats = alg.decoupled_ppo_loss(cur, prox, behav, adv, data["mask"], 0.2, 0.28, correction, cap, agg)
-    loss.backward()
-    ref_loss, ref_grad, ref_stats, _, _ = ref_decoupled(data, correction, cap, 0.2, 0.28, agg)
-    close(loss, ref_loss)
-    close(cur.grad, ref_grad)
-    for key, value in ref_stats.items():
-        close(stats[key], value)
-    assert 0 < ref_stats["ppo/clip_frac"] < 1
-    assert prox.grad is None and behav.grad is None and adv.grad is None
-    assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
+def test_entropy_over_a_split_vocabulary_equals_the_whole():
+    """Two 'tensor-parallel ranks' (threads) each hold half of the vocabulary and all-reduce max and sums."""
+    g = torch.Generator().manual_seed(22)
+    logits = 2 * torch.randn(3, 5, 16, generator=g, dtype=torch.float64)
+    barrier, slots = threading.Barrier(2), [None, None]
 
+    def all_reduce(rank: int, op):
+        def reduce(x):
+            slots[rank] = x
+            barrier.wait()
+            out = op(slots[0], slots[1])
+            barrier.wait()
+            return out
 
-@pytest.mark.parametrize("correction", CORRECTIONS)
-def test_decoupled_gradient_equals_autograd_of_float64_reference(correction):
-    """A second, independent reference: the loss built token by token from 0-d float64 tensors, then autograd."""
-    data = make_batch(8, batch=6, seq=6)
-    cap = CAPS[correction]
-    w, eff, _, _ = ref_importance(rows(data["prox"]), rows(data["behav"]), rows(data["mask"]), correction, cap)
-    cur_ref = data["cur"].clone().requires_grad_(True)
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for i in range(len(eff)):
-        for t in range(len(eff[0])):
-            if eff[i][t]:
-                r = torch.exp(cur_ref[i, t] - data["prox"][i, t])
-                a = data["adv"][i]
-                total = total - w[i][t] * torch.minimum(r * a, torch.clamp(r, 0.8, 1.28) * a)
-                count += 1
-    (total / count).backward()
-    cur = data["cur"].clone().requires_grad_(True)
-    loss, _ = alg.decoupled_ppo_loss(
-        cur, data["prox"], data["behav"], data["adv"], data["mask"], 0.2, 0.28, correction, cap
-    )
-    loss.backward()
-    close(loss, (total / count).item())
-    close(cur.grad, rows(cur_ref.grad))
+        return reduce
 
+    results = [None, None]
 
-def test_decoupled_float32_inputs_close_to_float64_reference():
-    data32 = make_batch(9, dtype=torch.float32)
-    data64 = {k: (v.double() if v.is_floating_point() else v) for k, v in data32.items()}
-    ref_loss, ref_grad, _, _, _ = ref_decoupled(data64, "tis", 1.5, 0.2, 0.28, "token_mean")
-    cur = data32["cur"].clone().requires_grad_(True)
-    loss, _ = alg.decoupled_ppo_loss(cur, data32["prox"], data32["behav"], data32["adv"], data32["mask"], is_cap=1.5)
-    loss.backward()
-    assert loss.dtype == torch.float32
-    close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    close(cur.grad, ref_grad, rtol=1e-4, atol=1e-6)
+    def rank_main(rank: int):
+        shard = logits[..., rank * 8 : (rank + 1) * 8]
+        results[rank] = alg.entropy_from_logits(shard, all_reduce(rank, torch.maximum), all_reduce(rank, torch.add))
 
-
-def test_decoupled_without_correction_on_policy_equals_ppo():
-    data = make_batch(10)
-    a, _ = alg.decoupled_ppo_loss(data["cur"], data["prox"], data["prox"], data["adv"], data["mask"], correction="tis")
-    b, _ = alg.ppo_clip_loss(data["cur"], data["prox"], data["adv"], data["mask"])
-    close(a, b.item())
-
-
-def test_normalizer_replaces_denominator():
-    data = make_batch(11)
-    for agg in ("token_mean", "seq_mean"):
-        cur = data["cur"].clone().requires_grad_(True)
-        loss, _ = alg.decoupled_ppo_loss(
-            cur,
-            data["prox"],
-            data["behav"],
-            data["adv"],
-            data["mask"],
-            correction="mis",
-            is_cap=1.5,
-            agg=agg,
-            normalizer=50.0,
-        )
-        loss.backward()
-        ref_loss, ref_grad, _, _, _ = ref_decoupled(data, "mis", 1.5, 0.2, 0.28, agg, normalizer=50.0)
-        close(loss, ref_loss)
-        close(cur.grad, ref_grad)
-
-
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
-@pytest.mark.parametrize("correction", CORRECTIONS)
-def test_all_masked_batch_gives_zero_loss_and_gradient(correction, agg):
-    data = make_batch(12)
-    mask = torch.zeros_like(data["mask"])
-    cur = data["cur"].clone().requires_grad_(True)
-    loss, stats = alg.decoupled_ppo_loss(
-        cur, data["prox"], data["behav"], data["adv"], mask, correction=correction, agg=agg
-    )
-    loss.backward()
-    assert loss.item() == 0.0 and torch.all(cur.grad == 0)
-    assert all(torch.isfinite(v) for v in stats.values())
-
-
-def test_seq_mis_dropping_a_whole_sequence_leaves_the_sequence_count():
-    """seq_mean over the effective mask: a sequence masked out by seq_mis does not count as a 0 in the mean."""
-    behav = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
-    prox = behav.clone()
-    prox[2] += 1.0  # ratio e > cap: sequence 2 is dropped
-    cur = (prox + 0.05).requires_grad_(True)
-    adv = torch.tensor([1.0, -2.0, 5.0], dtype=torch.float64)
-    mask = torch.ones(3, 2, dtype=torch.bool)
-    loss, stats = alg.decoupled_ppo_loss(cur, prox, behav, adv, mask, correction="seq_mis", is_cap=2.0, agg="seq_mean")
-    loss.backward()
-    r = math.exp(0.05)
-    close(loss, (-r * 1.0 + r * 2.0) / 2)  # two sequences in the mean, not three
-    close(stats["is/masked_frac"], 1 / 3)
-    close(cur.grad, [[-r / 4, -r / 4], [r / 2, r / 2], [0.0, 0.0]])
-
-
-def test_large_log_ratio_stays_finite():
-    cur = torch.tensor([[60.0, -1.0]], dtype=torch.float64, requires_grad=True)
-    old = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
-    loss, _ = alg.ppo_clip_loss(cur, old, torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2))
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(cur.grad).all()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# KL
-
-
-def ref_kl(kind: str, cur: float, ref: float) -> tuple[float, float]:
-    """Estimator value and its derivative in `cur`."""
-    if kind == "k1":
-        return cur - ref, 1.0
-    if kind == "k2":
-        return 0.5 * (cur - ref) ** 2, cur - ref
-    return math.exp(ref - cur) - 1 - (ref - cur), 1 - math.exp(ref - cur)
-
-
-@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
-def test_kl_estimators_and_penalty(kind):
-    data = make_batch(13)
-    c, rf, m = rows(data["cur"]), rows(data["ref"]), rows(data["mask"])
-    nb, nt = len(m), len(m[0])
-    est = alg.kl_estimate(data["cur"], data["ref"], kind)
-    for i in range(nb):
-        for t in range(nt):
-            if m[i][t]:
-                close(est[i, t], ref_kl(kind, c[i][t], rf[i][t])[0])
-    for agg in ("token_mean", "seq_mean"):
-        cur = data["cur"].clone().requires_grad_(True)
-        ref = data["ref"].clone().requires_grad_(True)
-        term, stats = alg.kl_penalty(cur, ref, data["mask"], 0.05, kind, agg)
-        term.backward()
-        vals = [[ref_kl(kind, c[i][t], rf[i][t])[0] if m[i][t] else 0.0 for t in range(nt)] for i in range(nb)]
-        grads = [[0.05 * ref_kl(kind, c[i][t], rf[i][t])[1] if m[i][t] else 0.0 for t in range(nt)] for i in range(nb)]
-        ref_val, ref_grad = ref_aggregate(vals, grads, m, agg)
-        close(term, 0.05 * ref_val)
-        close(cur.grad, ref_grad)
-        assert ref.grad is None
-        flat = [vals[i][t] for i in range(nb) for t in range(nt) if m[i][t]]
-        close(stats["kl/ref"], sum(flat) / len(flat))
-    with pytest.raises(ValueError, match="KL estimator 'k4'"):
-        alg.kl_estimate(data["cur"], data["ref"], "k4")
-
-
-def test_k3_is_nonnegative_and_exact_near_zero():
-    x = torch.tensor([-1.0, -1.0 + 1e-9, -3.0], dtype=torch.float64)
-    y = torch.tensor([-1.0, -1.0, -0.5], dtype=torch.float64)
-    k3 = alg.kl_k3(x, y)
-    assert k3[0] == 0 and torch.all(k3 >= 0)
-    close(k3[1], 0.5e-18, rtol=1e-6, atol=0)  # d^2/2 for small d
-
-
-@pytest.mark.parametrize("kind", ["ppo", "decoupled_ppo"])
-def test_policy_loss_dispatch_and_kl_term(kind):
-    data = make_batch(14)
-    kwargs = {"clip_low": 0.1, "clip_high": 0.3, "correction": "seq_tis", "is_cap": 1.1, "agg": "seq_mean"}
-    base, _ = alg.policy_loss(kind, data["cur"], data["prox"], data["behav"], data["adv"], data["mask"], **kwargs)
-    if kind == "ppo":
-        direct, _ = alg.ppo_clip_loss(data["cur"], data["behav"], data["adv"], data["mask"], 0.1, 0.3, "seq_mean")
-    else:
-        ref_loss, _, _, _, _ = ref_decoupled(data, "seq_tis", 1.1, 0.1, 0.3, "seq_mean")
-        direct = torch.tensor(ref_loss, dtype=torch.float64)
-    close(base, direct.item())
-    cur = data["cur"].clone().requires_grad_(True)
-    total, stats = alg.policy_loss(
-        kind,
-        cur,
-        data["prox"],
-        data["behav"],
-        data["adv"],
-        data["mask"],
-        ref_logprobs=data["ref"],
-        kl_coef=0.1,
-        **kwargs,
-    )
-    kl, _ = alg.kl_penalty(data["cur"], data["ref"], data["mask"], 0.1, "k3", "seq_mean")
-    close(total, base.item() + kl.item())
-    close(stats["loss/total"], total.item())
-    close(stats["loss/policy"], base.item())
-    total.backward()
-    assert torch.isfinite(cur.grad).all()
-    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs"):
-        alg.policy_loss(kind, cur, data["prox"], data["behav"], data["adv"], data["mask"], kl_coef=0.1)
-    with pytest.raises(ValueError, match="policy loss 'grpo'"):
-        alg.policy_loss("grpo", cur, data["prox"], data["behav"], data["adv"], data["mask"])
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = [[ref_entropy(rows(logits[b, s]))[0] for s in range(5)] for b in range(3)]
+    close(results[0], expected, rtol=1e-9, atol=1e-12)
+    close(results[1], expected, rtol=1e-9, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -601,7 +327,7 @@ def test_policy_loss_dispatch_and_kl_term(kind):
 
 
 def test_mismatch_metrics():
-    data = make_batch(15)
+    data = make_batch(15, extreme=False)
     train, roll, m = rows(data["prox"]), rows(data["behav"]), rows(data["mask"])
     diffs = [train[i][t] - roll[i][t] for i in range(len(m)) for t in range(len(m[0])) if m[i][t]]
     got = alg.mismatch_metrics(data["prox"], data["behav"], data["mask"].float())
@@ -610,6 +336,8 @@ def test_mismatch_metrics():
     close(got["mismatch/abs_diff_max"], max(abs(d) for d in diffs))
     empty = alg.mismatch_metrics(data["prox"], data["behav"], torch.zeros_like(data["mask"]))
     assert all(v.item() == 0 for v in empty.values())
+    wild = alg.mismatch_metrics(make_batch(15)["prox"], make_batch(15)["behav"], make_batch(15)["mask"])
+    assert all(torch.isfinite(v) for v in wild.values())
 
 
 def test_effective_sample_size_and_is_stats():
@@ -642,16 +370,3 @@ def test_distillation_rewards():
     close(got, expected)
     assert not got.requires_grad
     close(alg.sequence_reverse_kl(data["cur"], data["ref"], data["mask"]), [-sum(row) for row in expected])
-
-
-def test_masked_reductions_ignore_padding():
-    x = torch.tensor([[1.0, float("nan"), 3.0], [float("inf"), 2.0, -4.0]], dtype=torch.float64)
-    mask = torch.tensor([[1, 0, 1], [0, 1, 1]])
-    close(alg.masked_sum(x, mask), 2.0)
-    close(alg.masked_mean(x, mask), 0.5)
-    close(alg.masked_mean(x, mask, dim=-1), [2.0, -1.0])
-    close(alg.masked_max(x, mask), 3.0)
-    close(alg.masked_min(x, mask), -4.0)
-    close(alg.aggregate_loss(x, mask, "seq_mean"), 0.5)
-    with pytest.raises(ValueError, match="loss aggregation 'sum'"):
-        alg.aggregate_loss(x, mask, "sum")
