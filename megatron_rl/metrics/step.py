@@ -14,8 +14,10 @@ from megatron_rl.rollout.types import Group
 
 
 def rollout_stats(groups: list[Group], trainer_version: int) -> dict:
-    """Reward, length and staleness figures of a batch of groups."""
+    """Reward, length and staleness figures of a batch of groups, and the share of its groups whose rewards are
+    all equal (they give every sample advantage 0: no gradient)."""
     samples = [s for g in groups for s in g.samples]
+    flat = sum(len(set(g.rewards)) == 1 for g in groups)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
     staleness = Counter(g.staleness(trainer_version) for g in groups)
@@ -32,12 +34,37 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict:
         "staleness/max": max(staleness) if staleness else 0,
         "staleness/histogram": {str(k): v for k, v in sorted(staleness.items())},
         "rollout/stale_corrected": sum(bool(g.stale) for g in groups),
+        "batch/zero_variance_frac": flat / max(1, len(groups)),
     }
 
 
-def collect_metrics(groups, stats: dict, sync_report: dict, buffer, version: int, t_data: float, step_s: float) -> dict:
+class ZeroVarianceShare:
+    """The share of zero-variance groups among the groups the buffer screened since the previous step, whether
+    or not dynamic sampling dropped them (from the buffer's cumulative counters)."""
+
+    def __init__(self):
+        self.seen = self.flat = 0
+
+    def measure(self, buffer_stats: dict) -> dict:
+        """Metrics since the previous call: `dynamic/zero_variance_frac` and the counters themselves."""
+        seen, flat = buffer_stats.get("groups_screened", 0), buffer_stats.get("zero_variance_groups", 0)
+        share = (flat - self.flat) / (seen - self.seen) if seen > self.seen else 0.0
+        self.seen, self.flat = seen, flat
+        return {
+            "dynamic/zero_variance_frac": share,
+            "dynamic/zero_variance_groups": flat,
+            "dynamic/dropped": buffer_stats.get("dropped_by_reason", {}).get("zero_variance", 0),
+            "dynamic/kept_past_bound": buffer_stats.get("zero_variance_kept", 0),
+        }
+
+
+def collect_metrics(
+    groups, stats: dict, sync_report: dict, buffer, version: int, t_data: float, step_s: float,
+    zero_variance: ZeroVarianceShare | None = None,
+) -> dict:  # fmt: skip
     """Everything logged for one step (rank 0)."""
     buffer_stats = ray.get(buffer.stats.remote(), timeout=60)
+    dynamic = zero_variance.measure(buffer_stats) if zero_variance is not None else {}
     tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
     return {
         **rollout_stats(groups, version - 1),
@@ -52,6 +79,7 @@ def collect_metrics(groups, stats: dict, sync_report: dict, buffer, version: int
         "buffer/in_flight": buffer_stats.get("in_flight"),
         "buffer/dropped": buffer_stats.get("dropped"),
         "buffer/dropped_by_reason": buffer_stats.get("dropped_by_reason"),
+        **dynamic,
     }
 
 

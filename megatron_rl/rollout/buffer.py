@@ -10,6 +10,14 @@ Life of a prompt (its index is its data position in the `PromptStream`):
 Invariant, checked by `check_accounting()` after anything: produced == consumed + dropped + buffered + in_flight,
 where `produced` counts the prompts handed out and not requeued, and drawn == produced + retry_pending.
 
+Admission (`configure_admission`, set by the trainer from `algorithm.*`): a group with a reward beyond
+`max_abs_reward` is dropped as 'bad_reward' (like a non-finite one) and logged; with `drop_zero_variance` (DAPO's
+dynamic sampling) a group whose rewards are all equal is dropped as 'zero_variance', at most
+`max_zero_variance_drops` per batch handed out (past that it is kept and counted, so a policy that solves or fails
+every prompt still trains). A dropped prompt frees its place at the driver's gate, so generation draws another
+until the batch is full. Every valid group counts in `groups_screened` and, when its rewards are all equal, in
+`zero_variance_groups`, dropped or not.
+
 Capacity bounds buffered + in-flight groups: `claim_prompts` reserves a slot for every prompt it hands out, so
 `put_group` never refuses for lack of space and no finished group is ever lost; generation waits (claims return
 fewer prompts) while the trainer lags.
@@ -23,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import heapq
+import logging
+import math
 import threading
 import time
 from typing import Any, Literal
@@ -35,6 +45,8 @@ from megatron_rl.rollout.types import Group
 
 STATE_FORMAT = 1
 DROP_LOG_SIZE = 100  # most recent drops kept with their prompt index and why; the counts are always complete
+
+log = logging.getLogger(__name__)
 
 
 class RolloutBufferError(RuntimeError):
@@ -55,6 +67,9 @@ class RolloutBuffer:
         stale_policy: Literal["drop", "correct"] = "drop",
         prompts: PromptStream | None = None,
         max_requeues: int = 3,
+        drop_zero_variance: bool = False,
+        max_zero_variance_drops: int = 64,
+        max_abs_reward: float = math.inf,
     ):
         if capacity < 1:
             raise RolloutBufferError(f"capacity must be at least 1, got {capacity}")
@@ -78,11 +93,67 @@ class RolloutBuffer:
         self._drop_log: collections.deque[dict] = collections.deque(maxlen=DROP_LOG_SIZE)
         self.trainer_version = 0
         self._consumed: set[int] = set()  # prompt indices handed to the trainer: none may be handed out twice
+        self.drop_zero_variance, self.max_zero_variance_drops, self.max_abs_reward = False, 0, math.inf
+        self._zero_variance_drops = 0  # since the last batch handed out (the bound is per batch)
+        self._set_admission(drop_zero_variance, max_zero_variance_drops, max_abs_reward)
 
     @classmethod
     def from_config(cls, buffer_cfg, prompts: PromptStream | None = None, max_requeues: int = 3) -> RolloutBuffer:
         """Build from a `BufferConfig`."""
         return cls(buffer_cfg.capacity, buffer_cfg.max_staleness, buffer_cfg.stale_policy, prompts, max_requeues)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Admission.
+
+    def _set_admission(self, drop_zero_variance: bool, max_zero_variance_drops: int, max_abs_reward: float) -> None:
+        if max_zero_variance_drops < 0 or not max_abs_reward > 0:
+            raise RolloutBufferError(
+                f"max_zero_variance_drops={max_zero_variance_drops} must be >= 0 and max_abs_reward={max_abs_reward} > 0"
+            )
+        self.drop_zero_variance = bool(drop_zero_variance)
+        self.max_zero_variance_drops = int(max_zero_variance_drops)
+        self.max_abs_reward = float(max_abs_reward)
+
+    def configure_admission(
+        self, drop_zero_variance: bool, max_zero_variance_drops: int = 64, max_abs_reward: float = math.inf
+    ) -> dict[str, int]:
+        """Set what groups must pass (module docstring) and screen the buffered ones again (groups delivered
+        before the trainer configured the buffer); returns the drops by reason."""
+        with self._cond:
+            self._set_admission(drop_zero_variance, max_zero_variance_drops, max_abs_reward)
+            keep = []
+            for item in self._heap:
+                problem = self._reward_problem(item[2]) or self._variance_problem(item[2])
+                if problem is None:
+                    keep.append(item)
+                else:
+                    self._drop(item[2].prompt_index, *problem)
+            if len(keep) != len(self._heap):
+                self._heap = keep
+                heapq.heapify(self._heap)
+                self._cond.notify_all()
+            return dict(self._dropped)
+
+    def _reward_problem(self, group: Group) -> tuple[str, str] | None:
+        """('bad_reward', detail) when a reward's magnitude is beyond `max_abs_reward`."""
+        for i, sample in enumerate(group.samples):
+            if abs(sample.reward) > self.max_abs_reward:
+                detail = (
+                    f"sample {i} reward {sample.reward!r} is beyond algorithm.max_abs_reward={self.max_abs_reward:g}"
+                )
+                log.warning("prompt %d: group dropped: %s", group.prompt_index, detail)
+                return "bad_reward", detail
+        return None
+
+    def _variance_problem(self, group: Group) -> tuple[str, str] | None:
+        """('zero_variance', detail) when dynamic sampling drops this group (all rewards equal, bound not reached)."""
+        if not (self.drop_zero_variance and _zero_variance(group)):
+            return None
+        if self._zero_variance_drops >= self.max_zero_variance_drops:
+            self._counters["zero_variance_kept"] += 1
+            return None
+        self._zero_variance_drops += 1
+        return "zero_variance", f"all {group.size} rewards are {group.samples[0].reward!r}"
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation side.
@@ -126,8 +197,9 @@ class RolloutBuffer:
     def put_group(self, group: Group) -> bool:
         """Deliver the group of an in-flight prompt: True when buffered, False when dropped (and counted).
 
-        A group is dropped as 'bad_reward' when a reward is not a finite number, 'invalid' when it has no
-        response token, and 'stale' when it is already too old for the trainer under the 'drop' policy. A group
+        A group is dropped as 'bad_reward' when a reward is not a finite number or beyond `max_abs_reward`,
+        'invalid' when it has no response token, 'stale' when it is already too old for the trainer under the
+        'drop' policy, and 'zero_variance' under dynamic sampling (module docstring). A group
         for a prompt that is not in flight, or a malformed group, raises RolloutBufferError.
         """
         try:
@@ -138,9 +210,13 @@ class RolloutBuffer:
             index = group.prompt_index
             if index not in self._in_flight:
                 raise RolloutBufferError(f"put_group rejected: prompt {index} is not in flight ({self._where(index)})")
-            problem = group.invalid_reason()
+            problem = group.invalid_reason() or self._reward_problem(group)
+            if problem is None:
+                self._counters["groups_screened"] += 1
+                self._counters["zero_variance_groups"] += int(_zero_variance(group))
             if problem is None and self._too_stale(group, self.trainer_version) and self.stale_policy == "drop":
                 problem = ("stale", self._stale_detail(group, self.trainer_version))
+            problem = problem or self._variance_problem(group)
             prompt = self._in_flight.pop(index)
             self._requeues.pop(index, None)
             if problem is not None:
@@ -214,6 +290,7 @@ class RolloutBuffer:
             batch = [heapq.heappop(self._heap)[2] for _ in range(min(num_groups, len(self._heap)))]
             for group in batch:
                 self._hand_out(group, current_version)
+            self._zero_variance_drops = 0
             self._cond.notify_all()
             return batch
 
@@ -304,6 +381,9 @@ class RolloutBuffer:
                 "dropped_by_reason": dict(self._dropped),
                 "recent_drops": list(self._drop_log)[-10:],
                 "requeued": self._counters["requeued"],
+                "groups_screened": self._counters["groups_screened"],
+                "zero_variance_groups": self._counters["zero_variance_groups"],
+                "zero_variance_kept": self._counters["zero_variance_kept"],
                 "corrected": self._counters["corrected"],
                 "capacity": self.capacity,
                 "free_slots": self._free_slots(),
@@ -383,6 +463,11 @@ def index_ranges(indices: set[int]) -> list[list[int]]:
 def indices_of_ranges(runs: list[list[int]]) -> set[int]:
     """The set of indices that `index_ranges` wrote as runs."""
     return {i for first, last in runs for i in range(int(first), int(last) + 1)}
+
+
+def _zero_variance(group: Group) -> bool:
+    """Whether every sample of the group has the same reward (group-relative advantages are then all 0)."""
+    return len({s.reward for s in group.samples}) == 1
 
 
 def _order_version(group: Group) -> int:

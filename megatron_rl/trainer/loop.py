@@ -7,6 +7,7 @@ waits when the buffer has no batch ready.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,16 +16,17 @@ import time
 from pathlib import Path
 
 import ray
+import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
 from megatron_rl.metrics.logger import MetricsLogger
-from megatron_rl.metrics.step import EngineMeter, collect_metrics
+from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
 from megatron_rl.parallel.groups import destroy_distributed
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
 from megatron_rl.run_state import is_due, mark_latest, step_dir, write_run_state
-from megatron_rl.trainer.batch import TrainBatch, data_parallel_shard, groups_to_batch
+from megatron_rl.trainer.batch import TrainBatch, groups_to_batch, replica_share
 from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
 from megatron_rl.weights.recovery import RecoveringSync
@@ -38,7 +40,7 @@ class BatchWaitError(RuntimeError):
 
 
 def run_loop(cfg: RunConfig, spec: dict) -> None:
-    """Pull a batch, recompute proximal logprobs, take an optimizer step, push the new weights; repeat."""
+    """Pull a batch, take its updates (proximal logprobs, mini-batches), push the new weights; repeat."""
     loop = TrainerLoop(cfg, spec)
     for step in range(loop.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -50,7 +52,7 @@ def run_loop(cfg: RunConfig, spec: dict) -> None:
         stats = loop.learner.step(to_train_batch(groups, cfg, loop.learner))
         if cfg.checkpoint.save_dir and is_due(step, cfg.checkpoint.save_interval, cfg.steps):
             loop.save_checkpoint(step)  # before the engines see version `step`: see run_state.py
-        sync_report = loop.sync.push(step)
+        sync_report = loop.push(step)
         loop.finish_step(step, groups, stats, sync_report, t_data, time.perf_counter() - t0)
     loop.close()
 
@@ -63,7 +65,7 @@ class TrainerLoop:
         self.cfg, self.spec = cfg, spec
         self.learner = Learner(cfg)
         self.is_rank0 = self.learner.rank.ctx.rank == 0
-        self.buffer = self.control = self.metrics = self.meter = None
+        self.buffer = self.control = self.metrics = self.meter = self.zero_variance = None
         if self.is_rank0:
             join_ray(spec["ray_address"])
             self.buffer = ray.get_actor(spec["buffer"])
@@ -81,15 +83,20 @@ class TrainerLoop:
             host=cfg.sync.bind_host, inflight=_inflight_mode(cfg), streams=cfg.sync.gloo_streams,
         )  # fmt: skip
         sync.setup()
-        self.sync = RecoveringSync(sync, self.control, cfg.sync.timeout_s)
+        # As long as the launcher may take to find a hung engine and restart it.
+        restart_wait_s = cfg.rollout.hang_timeout_s + cfg.rollout.restart_timeout_s
+        self.sync = RecoveringSync(sync, self.control, restart_wait_s)
+        self.lagged = LaggedWeights(unwrap_model(self.learner.state.model), cfg.algorithm.forced_lag)
         if self.step:  # the engines start from the HF weights: bring them to the resumed ones
             self.sync.push(self.step)
         if self.is_rank0:
+            ray.get(self.buffer.configure_admission.remote(**admission(cfg)), timeout=60)
             self.buffer.set_trainer_version.remote(self.step)
             self.metrics = MetricsLogger(
                 spec["run_dir"], cfg.steps, cfg.wandb_project, config=cfg.model_dump(mode="json")
             )
             self.meter = EngineMeter(lambda: self.sync.sync.engines)
+            self.zero_variance = ZeroVarianceShare()
             self._report("running")
 
     def _report(self, state: str, message: str = "") -> None:
@@ -174,6 +181,20 @@ class TrainerLoop:
             mark_latest(self.cfg.checkpoint.save_dir, folder)
         self.saved_step = step
 
+    def push(self, step: int) -> dict:
+        """(Every rank) send the weights of version `step` to the engines, after checking they are finite (a
+        skipped update leaves them as they were). With `algorithm.forced_lag` k the engines get version
+        `step - k` instead, and nothing while that is the start version they already hold."""
+        self.learner.check_weights(step)
+        if not self.lagged.lag:
+            return self.sync.push(step)
+        self.lagged.record(step)
+        version = step - self.lagged.lag
+        if version <= 0:
+            return {"version": 0, "seconds": 0.0, "forced_lag": self.lagged.lag}
+        with self.lagged.swapped_in(version):
+            return self.sync.push(version) | {"forced_lag": self.lagged.lag}
+
     def finish_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float) -> None:
         """The new version is out: tell the buffer and run control, log the step's metrics (rank 0)."""
         self.step = step
@@ -181,7 +202,7 @@ class TrainerLoop:
             return
         self.buffer.set_trainer_version.remote(step)
         self._report("running")
-        record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s)
+        record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s, self.zero_variance)
         record["sync/resyncs"] = self.sync.resyncs
         self.metrics.log(step, record | self.meter.measure())
 
@@ -190,6 +211,48 @@ class TrainerLoop:
         if self.is_rank0:
             self._report("done", self.end_message)
             self.metrics.close()
+
+
+def admission(cfg: RunConfig) -> dict:
+    """What the buffer must screen groups for (`RolloutBuffer.configure_admission`), from the algorithm section."""
+    a = cfg.algorithm
+    return {
+        "drop_zero_variance": a.dynamic_sampling,
+        "max_zero_variance_drops": a.dynamic_sampling_max_drops,
+        "max_abs_reward": a.max_abs_reward,
+    }
+
+
+class LaggedWeights:
+    """`algorithm.forced_lag` (benchmarks): copies of the weights of the last `lag` versions, swapped into the model
+    while an old version is pushed, so that the engines always generate exactly `lag` versions behind."""
+
+    def __init__(self, model, lag: int):
+        self.model, self.lag = model, lag
+        self.history: dict[int, list[torch.Tensor]] = {}
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point()]
+
+    def record(self, version: int) -> None:
+        """Keep a copy of the current weights as `version`; versions older than the lag window are let go."""
+        self.history[version] = [t.detach().clone() for t in self._tensors()]
+        for old in [v for v in self.history if v <= version - self.lag - 1]:
+            del self.history[old]
+
+    @contextlib.contextmanager
+    def swapped_in(self, version: int):
+        """The model holds the weights of `version` inside the block and its own ones again after it."""
+        current = [t.detach().clone() for t in self._tensors()]
+        with torch.no_grad():
+            for tensor, saved in zip(self._tensors(), self.history[version], strict=True):
+                tensor.copy_(saved)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, mine in zip(self._tensors(), current, strict=True):
+                    tensor.copy_(mine)
 
 
 class _WeightView:
@@ -217,7 +280,7 @@ def to_train_batch(groups: list[Group], cfg: RunConfig, learner: Learner) -> Tra
     """This data-parallel replica's share of the step's batch."""
     ctx = learner.rank.ctx
     batch = groups_to_batch(groups, cfg.algorithm.advantage, ctx.layout.tp)
-    return data_parallel_shard(batch, ctx.dp_rank, ctx.layout.data_parallel)
+    return replica_share(batch, ctx.dp_rank, ctx.layout.data_parallel, cfg.algorithm.ppo_minibatches)
 
 
 def main(spec_path: str) -> None:

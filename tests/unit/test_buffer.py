@@ -3,15 +3,19 @@ checkpoints and errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
 import time
+import types
 
 import pytest
 
-from megatron_rl.config import BufferConfig
+from megatron_rl.config import BufferConfig, load_config
 from megatron_rl.rollout.buffer import AccountingError, RolloutBuffer, RolloutBufferError
+from megatron_rl.rollout.driver import GenerationDriver
+from megatron_rl.rollout.engine import GenerationResult
 from megatron_rl.rollout.tasks import PromptStream, Task
 from megatron_rl.rollout.types import Group, Sample
 
@@ -426,3 +430,151 @@ def test_concurrent_threads_keep_the_accounting():
     assert counts["drawn"] == 200 and counts["in_flight"] == counts["buffered"] == counts["retry_pending"] == 0
     assert counts["consumed"] + counts["dropped"] == 200
     assert len(consumed) == len(set(consumed)) == counts["consumed"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Admission: rewards out of range and dynamic sampling (DAPO).
+
+
+def make_rewarded_group(index: int, rewards: list[float], version: int = 0) -> Group:
+    group = make_group(index, version, size=len(rewards))
+    for sample, reward in zip(group.samples, rewards):
+        sample.reward = reward
+    return group
+
+
+def test_rewards_beyond_the_bound_are_failures_counted_and_logged(caplog):
+    buffer = make_buffer(capacity=8)
+    buffer.configure_admission(False, max_abs_reward=1e6)
+    indices = [i for i, _ in buffer.claim_prompts(4)]
+    with caplog.at_level("WARNING", logger="megatron_rl.rollout.buffer"):
+        accepted = [
+            buffer.put_group(make_rewarded_group(indices[0], [1e39, 0.0])),  # float32 would make it inf
+            buffer.put_group(make_rewarded_group(indices[1], [1e20, 1e20 + 1])),
+            buffer.put_group(make_rewarded_group(indices[2], [float("nan"), 0.0])),
+            buffer.put_group(make_rewarded_group(indices[3], [-1e6, 1e6])),  # at the bound: kept
+        ]
+    assert accepted == [False, False, False, True]
+    stats = buffer.stats()
+    assert stats["dropped_by_reason"] == {"bad_reward": 3}
+    assert "beyond algorithm.max_abs_reward=1e+06" in stats["recent_drops"][0]["detail"]
+    assert "reward 1e+39 is beyond" in caplog.text
+    buffer.check_accounting()
+
+
+def test_configuring_admission_screens_groups_already_buffered():
+    buffer = make_buffer(capacity=8)
+    indices = [i for i, _ in buffer.claim_prompts(3)]
+    for index, rewards in zip(indices, ([1.0, 1.0], [0.0, 1.0], [5e7, 0.0])):
+        assert buffer.put_group(make_rewarded_group(index, rewards))  # no admission configured yet
+    assert buffer.configure_admission(True, 4, 1e6) == {"zero_variance": 1, "bad_reward": 1}
+    assert [g.prompt_index for g in buffer.get_batch(1, 0)] == [indices[1]]
+    buffer.check_accounting()
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_within_a_bound_per_batch():
+    buffer = make_buffer(capacity=16)
+    buffer.configure_admission(True, max_zero_variance_drops=2)
+    indices = [i for i, _ in buffer.claim_prompts(5)]
+    accepted = [buffer.put_group(make_rewarded_group(i, [0.5, 0.5])) for i in indices[:3]]
+    assert accepted == [False, False, True]  # the third is past the bound: kept, so the run can go on
+    assert buffer.put_group(make_rewarded_group(indices[3], [0.0, 1.0]))
+    assert len(buffer.get_batch(2, 0)) == 2  # handing out a batch starts the bound again
+    assert not buffer.put_group(make_rewarded_group(indices[4], [1.0, 1.0]))
+    stats = buffer.stats()
+    assert stats["dropped_by_reason"] == {"zero_variance": 3} and stats["zero_variance_kept"] == 1
+    assert stats["groups_screened"] == 5 and stats["zero_variance_groups"] == 4
+    buffer.check_accounting()
+
+
+class ParityTask(Task):
+    """Prompt i; the reward of an even prompt is 1 for every response (a zero-variance group), of an odd one 1
+    for the response token 6 and 0 for 5."""
+
+    name = "parity"
+
+    def prompts(self, epoch=0, start=0):
+        index = start
+        while True:
+            yield {"prompt": f"p{index}", "prompt_ids": [3, index % 500], "answer": index}
+            index += 1
+
+    def reward(self, response, answer, sample=None):
+        return 1.0 if answer % 2 == 0 else float(response == "[6]")
+
+
+class AlternatingEngine:
+    """Answers requests with token 5 and 6 in turn (the two samples of a group differ) at the given version."""
+
+    def __init__(self):
+        self.calls = 0
+        self.version = 0
+
+    async def _generate(self, req):
+        self.calls += 1
+        token = 5 + self.calls % 2
+        return GenerationResult(req.request_id, req.prompt_ids, [token], [-0.1], [self.version], "length", "e0")
+
+    @property
+    def generate(self):
+        return types.SimpleNamespace(remote=self._generate)
+
+
+class Local:
+    """A plain object behind Ray's call syntax, awaited like an ObjectRef (the method runs in a thread)."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+        return types.SimpleNamespace(remote=lambda *args: asyncio.to_thread(method, *args))
+
+
+class IdsTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return str(list(ids))
+
+
+def test_half_zero_variance_groups_still_give_full_batches_of_informative_groups():
+    """The real generation driver in sync mode (lag 0) against the buffer: every even prompt's group has zero
+    variance and is dropped; the gate counts only live prompts, so generation keeps drawing until each step's
+    batch is full, and the accounting stays exact."""
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        ["prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_concurrent_prompts=2",
+         "algorithm.dynamic_sampling=true"],
+    )  # fmt: skip
+    buffer = RolloutBuffer(capacity=16, prompts=PromptStream(ParityTask()))
+    buffer.configure_admission(True, cfg.algorithm.dynamic_sampling_max_drops, cfg.algorithm.max_abs_reward)
+    engine = AlternatingEngine()
+    driver = GenerationDriver(Local(buffer), {"e0": engine}, ParityTask(), IdsTokenizer(), cfg, lag=0)
+    batches = []
+
+    async def trainer():
+        for version in range(3):
+            batch = await asyncio.to_thread(buffer.get_batch, 4, version, 10.0)
+            assert batch, f"no batch at version {version}: {buffer.check_accounting()}"
+            batches.append(batch)
+            engine.version = version + 1
+            buffer.set_trainer_version(version + 1)
+
+    async def main():
+        run = asyncio.create_task(driver.run())
+        try:
+            await asyncio.wait_for(trainer(), 30)
+        finally:
+            driver.stop()
+            await asyncio.wait_for(run, 10)
+
+    asyncio.run(main())
+    assert [len(b) for b in batches] == [4, 4, 4]
+    for batch in batches:
+        assert all(len(set(g.rewards)) == 2 for g in batch)  # informative groups only
+        assert all(g.prompt_index % 2 == 1 for g in batch)
+    counts, stats = buffer.check_accounting(), buffer.stats()
+    dropped = stats["dropped_by_reason"]["zero_variance"]
+    assert counts["consumed"] == 12 and dropped >= 12  # about as many even prompts as odd ones were drawn
+    assert counts["produced"] == counts["consumed"] + counts["dropped"] + counts["buffered"] + counts["in_flight"]
+    assert stats["groups_screened"] == stats["zero_variance_groups"] + counts["consumed"] + counts["buffered"]
+    assert driver.stats.dropped_by_buffer == dropped

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import types
 
 import pytest
+import torch
 
 from megatron_rl import launcher
-from megatron_rl.config import load_config
+from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.trainer import COLLECTIVE_TIMEOUT_MARGIN_S
 from megatron_rl.rollout.driver import GenerationError
 from megatron_rl.run_state import ResumeError, mark_latest, step_dir, write_run_state
@@ -179,7 +181,9 @@ def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
         def __init__(self, cfg, spec):
             self.step, self.batches, self.calls = 0, 2, []
             self.learner = types.SimpleNamespace(step=lambda batch: {"loss": 0.0})
-            self.sync = types.SimpleNamespace(push=lambda step: {"seconds": 0.0})
+
+        def push(self, step):
+            return {"seconds": 0.0}
 
         def next_batch(self):
             self.batches -= 1
@@ -279,3 +283,113 @@ def test_a_fresh_run_refuses_a_save_dir_with_another_runs_latest(tmp_path):
     folder, state = launcher.resume_point(_cfg(f"checkpoint.save_dir={save_dir}", "checkpoint.resume=true"))
     assert folder == step_dir(save_dir, 4) and state["step"] == 4
     assert launcher.resume_point(_cfg()) == (None, None)  # no saving: nothing to refuse
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Guards, mini-batch stats and the forced lag (trainer/learner.py, trainer/loop.py).
+
+
+def test_skipped_updates_in_a_row_stop_the_run():
+    skips = learner.SkipCounter(limit=3)
+    for skipped in (True, True, False, True, True):
+        skips.record(skipped, "x")
+    assert (skips.total, skips.in_a_row) == (4, 2)
+    with pytest.raises(learner.NonFiniteError, match=r"3 updates in a row.*last: mb 7.*in_a_row=3"):
+        skips.record(True, "mb 7")
+
+
+def test_batch_stats_aggregate_over_minibatches():
+    updates = [
+        {"loss": 1.0, "grad_norm": 2.0, "ppo/clip_frac": 0.0, "batch/sequences": 4.0, "guard/skipped": 0.0},
+        {"loss": float("nan"), "grad_norm": float("inf"), "ppo/clip_frac": 0.5, "batch/sequences": 4.0,
+         "guard/skipped": 1.0},
+        {"loss": 3.0, "grad_norm": 4.0, "ppo/clip_frac": 0.2, "batch/sequences": 4.0, "guard/skipped": 0.0},
+        {"loss": 5.0, "grad_norm": 1.0, "ppo/clip_frac": 0.4, "batch/sequences": 4.0, "guard/skipped": 0.0},
+    ]  # fmt: skip
+    stats = learner.aggregate_updates(updates, per_epoch=2)  # two epochs of two mini-batches
+    assert stats["loss"] == 3.0 and stats["grad_norm"] == pytest.approx(7 / 3)  # the skipped one left out
+    assert stats["ppo/clip_frac"] == pytest.approx(0.2)
+    assert stats["batch/sequences"] == 8.0  # one epoch's sequences
+    assert stats["grad_norm_max"] == float("inf") and stats["ppo/updates"] == 4
+    assert stats["guard/skipped_updates"] == 1 and stats["guard/skipped"] == 0
+    all_bad = learner.aggregate_updates([updates[1]], per_epoch=1)
+    assert all_bad["guard/skipped"] == 1 and math.isnan(all_bad["loss"])
+
+
+class RecordingSync:
+    def __init__(self, model):
+        self.model, self.pushed = model, []
+
+    def push(self, version):
+        self.pushed.append((version, self.model.weight.detach().clone()))
+        return {"seconds": 0.0}
+
+
+def _push_loop(model, lag: int):
+    run = TrainerLoop.__new__(TrainerLoop)
+    run.learner = types.SimpleNamespace(check_weights=lambda step: learner.Learner.check_weights(fake, step))
+    fake = types.SimpleNamespace(state=types.SimpleNamespace(model=model))
+    run.sync = RecordingSync(model)
+    run.lagged = loop.LaggedWeights(model, lag)
+    return run
+
+
+@pytest.fixture
+def local_all_reduce(monkeypatch):
+    """One process: the finiteness check's all-reduce is the identity."""
+    monkeypatch.setattr(learner.dist, "all_reduce", lambda tensor, op=None: None)
+
+
+def test_a_forced_lag_pushes_the_weights_of_exactly_k_versions_ago(local_all_reduce):
+    model = torch.nn.Linear(2, 2, bias=False)
+    run = _push_loop(model, lag=2)
+    history = {}
+    for step in range(1, 6):
+        with torch.no_grad():
+            model.weight.fill_(float(step))  # the weights after step `step`
+        history[step] = model.weight.detach().clone()
+        report = run.push(step)
+        assert torch.equal(model.weight, history[step])  # the model holds its own weights again
+        assert report.get("forced_lag") == 2
+    assert [v for v, _ in run.sync.pushed] == [1, 2, 3]  # nothing while version 0 (what the engines start with)
+    for version, weights in run.sync.pushed:
+        assert torch.equal(weights, history[version])
+    assert sorted(run.lagged.history) == [3, 4, 5]  # the window: no more copies than the lag needs
+
+
+def test_weights_that_are_not_finite_never_reach_the_engines(local_all_reduce):
+    model = torch.nn.Linear(2, 2, bias=False)
+    run = _push_loop(model, lag=0)
+    run.push(1)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(learner.NonFiniteError, match="weights after step 2 are not finite: not pushing"):
+        run.push(2)
+    assert [v for v, _ in run.sync.pushed] == [1]
+
+
+def test_the_trainer_configures_the_buffers_admission_from_the_algorithm_section():
+    cfg = _cfg(
+        "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_drops=9", "algorithm.max_abs_reward=5"
+    )
+    assert loop.admission(cfg) == {"drop_zero_variance": True, "max_zero_variance_drops": 9, "max_abs_reward": 5.0}
+    buffer = make_buffer()
+    buffer.configure_admission(**loop.admission(cfg))
+    assert (buffer.drop_zero_variance, buffer.max_zero_variance_drops, buffer.max_abs_reward) == (True, 9, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.ppo_minibatches=3"], "ppo_minibatches=3 must divide the batch of .* = 16 sequences"),
+        (["algorithm.forced_lag=4", "mode=async"], "forced_lag=4 .* needs mode=sync"),
+        (["algorithm.forced_lag=8", "mode=sync"], r"buffer.max_staleness >= 8 \(got 4\)"),
+        (["algorithm.dynamic_sampling=true", "rollout.samples_per_prompt=1"], "samples_per_prompt >= 2"),
+        (["algorithm.kl_in=reward"], "kl_in=reward needs algorithm.kl_coef > 0"),
+        (["buffer.stale_policy=correct", "algorithm.loss=ppo"], "needs a decoupled algorithm.loss"),
+    ],
+)
+def test_algorithm_settings_that_cannot_work_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*overrides)
+    assert _cfg("algorithm.ppo_minibatches=4", "algorithm.forced_lag=4", "mode=sync").algorithm.ppo_minibatches == 4
