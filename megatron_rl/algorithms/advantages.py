@@ -1,4 +1,6 @@
-"""Group-relative advantages: GRPO (with or without std normalisation) and RLOO, per sequence.
+"""Group-relative advantages per sequence: GRPO (Shao et al. 2024, DeepSeekMath), GRPO without the std
+normalisation (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-like training"), and RLOO (Ahmadian et al.
+2024, "Back to basics").
 
 Groups are given either as `group_ids` (a LongTensor `[batch]`, any integer labels, any order) or as a fixed
 `group_size` (consecutive runs of `group_size` sequences form one group). A group of size 1, and a group whose
@@ -54,7 +56,8 @@ def grpo_advantages(
     normalize_std: bool = True,
     eps: float = 1e-6,
 ) -> Tensor:
-    """GRPO advantage per sequence: (r - group mean) / (group std + eps), or r - group mean without std.
+    """GRPO advantage per sequence: (r - group mean) / (group std + eps), or r - group mean without std (Dr.
+    GRPO: the std term biases towards groups of nearly equal rewards).
 
     The std is the sample std (Bessel-corrected, n - 1), as torch.std, verl and TRL compute it. Returns a float
     tensor `[batch]` (float32 or wider), detached.
@@ -91,7 +94,8 @@ def compute_advantages(
     group_size: int | None = None,
     eps: float = 1e-6,
 ) -> Tensor:
-    """The estimator named by `AlgorithmConfig.advantage`: `grpo`, `grpo_no_std` or `rloo`."""
+    """The estimator named by `AlgorithmConfig.advantage`: `grpo`, `grpo_no_std` or `rloo`. Rewards are used in
+    their own dtype (float64 stays float64: the trainer passes float64 so that large rewards keep their spread)."""
     if kind == "grpo":
         return grpo_advantages(rewards, group_ids, group_size, eps=eps)
     if kind == "grpo_no_std":
