@@ -94,3 +94,25 @@ def test_batches_carry_each_sequence_length():
     want = [len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g.samples]
     assert batch.lengths.tolist() == want
     assert batch.padding_mask().sum(dim=1).tolist() == [batch.seq_len - n for n in want]
+
+
+def test_rewards_reach_the_advantages_in_float64():
+    """A reward of 1e39 was inf in float32 (NaN advantages), and rewards near 1e20 lost their spread (all 0)."""
+    groups = _groups()
+    for sample, reward in zip(groups[0].samples, (1e20, 1e20 + 2**20)):
+        sample.reward = reward
+    for sample, reward in zip(groups[1].samples, (1e39, -1e39)):
+        sample.reward = reward
+    batch = groups_to_batch(groups, "grpo", tp=1)
+    assert batch.rewards.dtype == torch.float64 and batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert batch.advantages.tolist() == pytest.approx([-0.7071, 0.7071, 0.7071, -0.7071], abs=1e-3)
+    batch.validate()
+
+
+def test_minibatches_are_equal_consecutive_slices():
+    batch = groups_to_batch(_groups(), "grpo", tp=1)
+    parts = batch.minibatches(2)
+    assert [p.batch_size for p in parts] == [2, 2]
+    assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
+    with pytest.raises(ValueError, match="cannot be split into algorithm.ppo_minibatches=3"):
+        batch.minibatches(3)
