@@ -257,35 +257,35 @@ def test_loader_refuses_what_vllm_would_skip_or_narrow():
 def test_direct_routes_only_for_whole_tensors_into_whole_expert_rows():
     """Without an engine: which of vLLM's copies into a [experts, rows, cols] staging tensor become routes."""
     pytest.importorskip("vllm")
-    from megatron_rl.weights.engine.loader import _Restored, _route_of
+    from megatron_rl.weights.engine.staging import StagedParam, route_of  # after the skip: vLLM
 
     staging = torch.zeros(4, 6, 3)
-    target = _Restored("layers.0.mlp.experts", "w13_weight", torch.nn.Module(), staging, staging, staging.numel())
+    target = StagedParam("layers.0.mlp.experts", "w13_weight", torch.nn.Module(), staging, staging, staging.numel())
     up = torch.ones(2, 3)  # rows 2..3 of expert 1, as vLLM copies an up projection
-    route = _route_of(target, staging[1].narrow(0, 2, 2), up, up)
+    route = route_of(target, staging[1].narrow(0, 2, 2), up, up)
     assert (route.expert, route.row0, route.shape) == (1, 2, (2, 3))
     packed = torch.arange(staging.numel(), dtype=torch.float32).view(4, 6, 3)
     assert torch.equal(route.packed_rows(packed)[0], packed[1, 2:4])
     # A slice of the incoming tensor (tensor-parallel engines), a transposed or converted copy: no route.
     wide = torch.ones(4, 3)
-    assert _route_of(target, staging[1].narrow(0, 2, 2), wide[:2], wide) is None
-    assert _route_of(target, staging[0, :3, :2], torch.ones(2, 3).t(), torch.ones(2, 3)) is None
-    assert _route_of(target, staging[1].narrow(0, 2, 2), up.double(), up.double()) is None
+    assert route_of(target, staging[1].narrow(0, 2, 2), wide[:2], wide) is None
+    assert route_of(target, staging[0, :3, :2], torch.ones(2, 3).t(), torch.ones(2, 3)) is None
+    assert route_of(target, staging[1].narrow(0, 2, 2), up.double(), up.double()) is None
 
 
 def test_dense_routes_are_row_ranges_of_a_2d_parameter():
     """Without an engine: a k projection copied into rows 4..5 of a fused [q+k+v, hidden] staging parameter."""
     pytest.importorskip("vllm")
-    from megatron_rl.weights.engine.loader import _Restored, _route_of
+    from megatron_rl.weights.engine.staging import StagedParam, route_of  # after the skip: vLLM
 
     staging = torch.zeros(8, 3)
-    target = _Restored("layers.0.self_attn.qkv_proj", "weight", torch.nn.Module(), staging, staging, staging.numel())
+    target = StagedParam("layers.0.self_attn.qkv_proj", "weight", torch.nn.Module(), staging, staging, staging.numel())
     k = torch.ones(2, 3)
-    route = _route_of(target, staging.narrow(0, 4, 2), k, k)
+    route = route_of(target, staging.narrow(0, 4, 2), k, k)
     assert (route.expert, route.row0, route.shape, route.dense) == (0, 4, (2, 3), True)
     fused = torch.arange(24, dtype=torch.float32).view(8, 3)
     assert torch.equal(route.packed_rows(fused)[0], fused[4:6])
-    assert _route_of(target, staging[4:6, :2], k[:, :2], k) is None  # part of the tensor: no route
+    assert route_of(target, staging[4:6, :2], k[:, :2], k) is None  # part of the tensor: no route
 
 
 @pytest.mark.slow
