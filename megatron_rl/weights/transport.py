@@ -7,7 +7,6 @@ With one group per sender, every pipeline stage and expert-parallel rank sends i
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import datetime
@@ -76,9 +75,8 @@ def resolve_host(host: str) -> str:
 
 
 GLOO_STREAMS = 2
-"""Default TCP connections per member pair of a gloo weight group (`GroupSpec.streams`): on 2 CPU cores two
-broadcasts under way on two streams moved 450 MiB in 0.15-0.17 s, one stream in 0.22-0.24 s; three or four
-streams were no faster."""
+"""Default TCP connections per member pair of a gloo weight group (`GroupSpec.streams`): one loopback stream is
+latency-bound, and more than two were no faster (docs/weight_sync.md)."""
 
 
 UNPACKED_MIN_BYTES = 1 << 20
@@ -153,9 +151,6 @@ class WeightGroup:
         """`streams` devices (a full mesh of TCP connections each), found as torch finds its one (on the
         interfaces in GLOO_SOCKET_IFNAME if set, else by this host's name), and a worker thread per device (at
         least gloo's default 2) to keep them all busy.
-
-        One TCP stream over loopback moved 450 MiB in 0.22-0.24 s while its two threads used about 1.15 of 2
-        cores (latency-bound, not CPU-bound); two broadcasts in flight on two streams took 0.15-0.17 s.
         """
         opts = dist.ProcessGroupGloo._Options()
         interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
@@ -233,26 +228,6 @@ def wait(work, what: str, group: WeightGroup) -> None:
         raise
     except (RuntimeError, dist.DistError) as err:
         raise TransportError(f"{where} failed: {err}") from None
-
-
-def chunks_buffer_bytes(nbytes: int, chunk_bytes: int, in_flight: int) -> int:
-    """The buffer `broadcast_chunks` needs: room for `in_flight` chunks, or for all of `nbytes` if less."""
-    return min(nbytes, chunk_bytes * in_flight)
-
-
-def broadcast_chunks(group: WeightGroup, buffer: torch.Tensor, nbytes: int, chunk_bytes: int, in_flight: int) -> None:
-    """Benchmark baseline, run alike by the sender and every receiver: `nbytes` in broadcasts of `chunk_bytes`
-    from (into) `buffer` (at least `chunks_buffer_bytes`), with up to `in_flight` of them under way at once,
-    each in its own part of `buffer`."""
-    parts = max(1, min(in_flight, -(-nbytes // chunk_bytes)))
-    works: collections.deque = collections.deque()
-    for index, offset in enumerate(range(0, nbytes, chunk_bytes)):
-        if len(works) == parts:
-            wait(works.popleft(), "baseline broadcast", group)
-        place = (index % parts) * chunk_bytes
-        works.append(group.broadcast(buffer[place : place + min(chunk_bytes, nbytes - offset)], src=0))
-    for work in works:
-        wait(work, "baseline broadcast", group)
 
 
 NCCL_POLL_S = 0.0005

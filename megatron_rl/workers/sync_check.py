@@ -1,5 +1,6 @@
-"""torchrun worker of `verify sync` and `bench/weight_sync.py`: load the trainer, change its weights, sync them
-to the engines, and compare the engines' logprobs with the trainer's."""
+"""torchrun worker of `verify sync`: load the trainer, change its weights, sync them to the engines, and compare
+the engines' logprobs with the trainer's. The weight-sync benchmark's trainer (`bench/weight_sync_trainer.py`)
+uses `connect` and `perturb_weights` from here."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_fo
 from megatron_rl.trainer.logprobs import forward_logprobs
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.verify.parity import parity_tokens
-from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync, push_raw, ray_get_named
+from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync, ray_get_named
 from megatron_rl.workers import run_worker
 
 
@@ -104,32 +105,6 @@ def summarize_inflight(results, max_tokens: int) -> dict:
     }
 
 
-def run_bench(rank, sync, setup: dict, spec: dict) -> dict:
-    """Timed syncs (gather + pack + send + load, engines acknowledged) against plain broadcasts of the same bytes:
-    one broadcast of them all (the baseline), broadcasts of one bucket's size one after another, and such
-    broadcasts with one under way per gloo stream (the transport's best, as the sync keeps several going)."""
-
-    chunk = max(b.nbytes for b in sync.plan)
-    sync_s, raw_s, chunked_s, parallel_s, engine_side = [], [], [], [], []
-    push_raw(sync, setup["bytes"])  # warm-up: first use of the sockets and of the baseline's buffers
-    push_raw(sync, setup["bytes"], chunk, sync.streams)
-    for version in range(1, spec["bench"]["repeats"] + 1):
-        perturb_weights(rank, seed=version, scale=spec["noise"])
-        dist.barrier()
-        pushed = sync.push(version)
-        sync_s.append(pushed["seconds"])
-        if rank.ctx.rank == 0:
-            engine_side.append(
-                [{**w, "engine_seconds": r["seconds"]} for r in pushed["engines"].values() for w in r["workers"]]
-            )
-        raw_s.append(push_raw(sync, setup["bytes"]))
-        chunked_s.append(push_raw(sync, setup["bytes"], chunk))
-        parallel_s.append(push_raw(sync, setup["bytes"], chunk, sync.streams))
-    return {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "chunked_seconds": chunked_s,
-            "parallel_seconds": parallel_s, "chunk_bytes": chunk, "streams": sync.streams,
-            "engine_side": engine_side}  # fmt: skip
-
-
 def connect(spec: dict) -> tuple:
     """This rank's trainer at the spec's layout, the engines' handles (actors on rank 0) and the formed sync."""
     rank = bring_up_from_hf(spec["hf"], ParallelLayout(**spec["layout"]))
@@ -177,14 +152,11 @@ def one_sync(rank, handles, sync, spec: dict, version: int, tokens: torch.Tensor
 
 
 def check(spec: dict, _startup_s: float) -> None:
-    """The whole check (or, with `bench` in the spec, the benchmark); rank 0 writes the report."""
+    """The whole check; rank 0 writes the report."""
     rank, handles, sync, setup = connect(spec)
-    if spec.get("bench"):
-        report = run_bench(rank, sync, setup, spec)
-    else:
-        tokens = parity_tokens(rank.arch.vocab_size, spec["batch"], spec["seq"], seed=11)
-        syncs = [one_sync(rank, handles, sync, spec, v, tokens) for v in range(1, spec["syncs"] + 1)]
-        report = {"plan": setup, "syncs": syncs}
+    tokens = parity_tokens(rank.arch.vocab_size, spec["batch"], spec["seq"], seed=11)
+    syncs = [one_sync(rank, handles, sync, spec, v, tokens) for v in range(1, spec["syncs"] + 1)]
+    report = {"plan": setup, "syncs": syncs}
     if rank.ctx.rank == 0:
         Path(spec["out"]).write_text(json.dumps(report))
 

@@ -2,7 +2,8 @@
 
 Each engine runs in its own subprocess (this file run as a script): one starts on seed-0 weights and loads the
 seed-1 weights in place in buckets (non-expert tensors, then the experts in two chunks) through the worker
-extension, after provoking the errors; the other starts fresh on the seed-1 weights. Both run at once.
+extension for tests (`tests/support/weight_extension.py`), after provoking the errors; the other starts fresh on
+the seed-1 weights. Both run at once.
 """
 
 from __future__ import annotations
@@ -12,11 +13,18 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from megatron_rl.models.tiny import make_tiny
+from megatron_rl.weights.engine.worker import DESCRIBE_WEIGHT_LOADER, FINISH_WEIGHT_UPDATE
+from tests.support.weight_extension import EXTENSION, LOAD_FILE, LOAD_NAMED
+
+REPO = Path(__file__).resolve().parents[2]
 FRESH_TOLERANCE = 1e-3  # measured: 0 (bit-identical) for all four families
 MIN_BEFORE_DIFF = 0.05
 ENGINE_TIMEOUT_S = 600
@@ -40,7 +48,7 @@ def _prompts() -> list[list[int]]:
 
 def _logprobs(llm) -> dict:
     """Per-token prompt logprobs and greedy continuations (with their logprobs) of the fixed prompts."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # here: the tests skip where vLLM is not installed
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0, logprobs=0)
@@ -64,8 +72,6 @@ def _error_of(fn) -> str | None:
 
 
 def _tensor_names(ckpt: str) -> list[str]:
-    from safetensors import safe_open
-
     names = []
     for file in sorted(Path(ckpt).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
@@ -74,8 +80,6 @@ def _tensor_names(ckpt: str) -> list[str]:
 
 
 def _tensor_shape(ckpt: str, name: str) -> list[int]:
-    from safetensors import safe_open
-
     for file in sorted(Path(ckpt).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             if name in f.keys():  # noqa: SIM118 (not a dict)
@@ -91,18 +95,18 @@ def _update_in_place(llm, ckpt: str, out: dict) -> None:
     experts = [n for n in names if ".experts." in n]
     buckets = [dense, experts[0::2], experts[1::2]] if experts else [dense[0::2], dense[1::2]]
     out["errors"] = {
-        "unknown": _error_of(lambda: rpc("mrl_load_named_for_test", args=([("model.layers.0.bogus.weight", [1.0])],))),
-        "shape": _error_of(lambda: rpc("mrl_load_named_for_test", args=([("model.norm.weight", [1.0, 2.0, 3.0])],))),
+        "unknown": _error_of(lambda: rpc(LOAD_NAMED, args=([("model.layers.0.bogus.weight", [1.0])],))),
+        "shape": _error_of(lambda: rpc(LOAD_NAMED, args=([("model.norm.weight", [1.0, 2.0, 3.0])],))),
     }
     if experts:  # half its rows: vLLM itself would load it silently into part of the expert
         rows, cols = _tensor_shape(ckpt, experts[0])
         short = [(experts[0], [[0.5] * cols] * (rows // 2))]
-        out["errors"]["expert_shape"] = _error_of(lambda: rpc("mrl_load_named_for_test", args=(short,)))
+        out["errors"]["expert_shape"] = _error_of(lambda: rpc(LOAD_NAMED, args=(short,)))
         out["expert_name"] = experts[0]
-    out["counts"] = [rpc("mrl_load_file_for_test", args=(ckpt, b))[0] for b in buckets[:-1]]
-    out["errors"]["incomplete"] = _error_of(lambda: rpc("mrl_finish_weight_update"))
-    out["counts"].append(rpc("mrl_load_file_for_test", args=(ckpt, buckets[-1]))[0])
-    rpc("mrl_finish_weight_update")
+    out["counts"] = [rpc(LOAD_FILE, args=(ckpt, b))[0] for b in buckets[:-1]]
+    out["errors"]["incomplete"] = _error_of(lambda: rpc(FINISH_WEIGHT_UPDATE))
+    out["counts"].append(rpc(LOAD_FILE, args=(ckpt, buckets[-1]))[0])
+    rpc(FINISH_WEIGHT_UPDATE)
     out["num_tensors"] = len(names)
 
 
@@ -110,9 +114,7 @@ def engine_main(ckpt: str, out_path: str, update: str | None) -> None:
     """Subprocess body: start an engine on `ckpt`; with `update`, load it in place and go back again."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: about 2 s to start
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import time
-
-    from vllm import LLM
+    from vllm import LLM  # here: the tests skip where vLLM is not installed
 
     llm = LLM(
         model=ckpt,
@@ -120,24 +122,26 @@ def engine_main(ckpt: str, out_path: str, update: str | None) -> None:
         enforce_eager=True,
         max_model_len=256,
         seed=0,
-        worker_extension_cls="megatron_rl.weights.engine.worker.WeightUpdateExtension",
+        worker_extension_cls=EXTENSION,
     )
-    out: dict = {"describe": llm.collective_rpc("mrl_describe_weight_loader")[0], "before": _logprobs(llm)}
+    out: dict = {"describe": llm.collective_rpc(DESCRIBE_WEIGHT_LOADER)[0], "before": _logprobs(llm)}
     if update:
         start = time.perf_counter()
         _update_in_place(llm, update, out)
         out["update_s"] = time.perf_counter() - start
         out["after"] = _logprobs(llm)
         # A second update (back to the start weights, all in one bucket) must reproduce the first outputs.
-        out["describe_after"] = llm.collective_rpc("mrl_describe_weight_loader")[0]
-        llm.collective_rpc("mrl_load_file_for_test", args=(ckpt,))
-        llm.collective_rpc("mrl_finish_weight_update")
+        out["describe_after"] = llm.collective_rpc(DESCRIBE_WEIGHT_LOADER)[0]
+        llm.collective_rpc(LOAD_FILE, args=(ckpt,))
+        llm.collective_rpc(FINISH_WEIGHT_UPDATE)
         out["back"] = _logprobs(llm)
     Path(out_path).write_text(json.dumps(out))
 
 
 def _start(ckpt: str, out: Path, update: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    # The repository root on the path: the child runs this file as a script and imports `tests.support`.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=path)
     args = [sys.executable, __file__, ckpt, str(out)] + ([update] if update else [])
     with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -163,8 +167,6 @@ def _diff(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
 
 def _run_pair(family: str, tmp_path: Path, overrides: dict | None = None) -> tuple[dict, dict]:
     """(in-place engine report, fresh engine report) for tiny checkpoints of `family`, seeds 0 and 1."""
-    from megatron_rl.models.tiny import make_tiny
-
     old = str(make_tiny(family, tmp_path / "seed0", seed=0, overrides=overrides))
     new = str(make_tiny(family, tmp_path / "seed1", seed=1, overrides=overrides))
     updated = _start(old, tmp_path / "updated.json", update=new)
@@ -242,7 +244,7 @@ class _NarrowingModel(torch.nn.Module):
 def test_loader_refuses_what_vllm_would_skip_or_narrow():
     """Without an engine: the copy accounting and the expected-shape table name the offending tensor."""
     pytest.importorskip("vllm")
-    from megatron_rl.weights.engine.loader import InPlaceWeightLoader, WeightLoadError
+    from megatron_rl.weights.engine.loader import InPlaceWeightLoader, WeightLoadError  # after the skip: vLLM
 
     model = _NarrowingModel()
     loader = InPlaceWeightLoader(model, mode="plain")

@@ -1,5 +1,6 @@
 """Engine-worker side of a weight sync: join one weight group per trainer sender, receive every bucket of the
-plan in order, and hand the tensors to an in-place loader. Runs inside a vLLM worker process.
+plan in order, and hand the tensors to an in-place loader. Runs inside a vLLM worker process; imports no vLLM
+(the loader it is handed does).
 """
 
 from __future__ import annotations
@@ -14,14 +15,7 @@ import torch
 from megatron_rl.parallel.devices import compute_device
 from megatron_rl.weights import buckets as bucket_io
 from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, Slot, plan_from_json
-from megatron_rl.weights.transport import (
-    GroupSpec,
-    TransportError,
-    WeightGroup,
-    broadcast_chunks,
-    chunks_buffer_bytes,
-    wait,
-)
+from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
 
 if TYPE_CHECKING:
     from megatron_rl.weights.engine.loader import InPlaceWeightLoader
@@ -38,7 +32,6 @@ class WeightReceiver:
     def __init__(self) -> None:
         self.groups: dict[int, WeightGroup] = {}
         self._buffers: list[torch.Tensor] = []
-        self._raw_buffer: torch.Tensor | None = None
         self._plan_json, self._plan = "", []
 
     def join(self, groups_json: str, member_rank: int, timeout_s: float) -> dict:
@@ -165,21 +158,6 @@ class WeightReceiver:
                 targets[i] = view[segment.start : segment.end]
         works = [group.broadcast(target, src=0) for target in targets]
         return view, works, group, placed, owned
-
-    def receive_raw(self, sender: int, nbytes: int, chunk_bytes: int, in_flight: int = 1) -> dict:
-        """Baseline for benchmarks: receive `nbytes` from `sender` in broadcasts of `chunk_bytes`, up to
-        `in_flight` at once (`broadcast_chunks`), loading nothing.
-
-        Into a buffer of its own, made once and kept (warm memory, as the update's are), not the update's.
-        """
-        group = self.groups[sender]
-        size = chunks_buffer_bytes(nbytes, chunk_bytes, in_flight)
-        if self._raw_buffer is None or self._raw_buffer.numel() < size:
-            self._raw_buffer = None  # free the old one first
-            self._raw_buffer = torch.empty(size, dtype=torch.uint8, device=compute_device())
-        start = time.perf_counter()
-        broadcast_chunks(group, self._raw_buffer, nbytes, chunk_bytes, in_flight)
-        return {"bytes": nbytes, "seconds": time.perf_counter() - start}
 
 
 def _direct_span(loader: InPlaceWeightLoader, slots: list[Slot]) -> torch.Tensor | None:

@@ -1,25 +1,29 @@
-"""vLLM worker extension for in-place weight updates.
+"""vLLM worker extension for in-place weight updates: the engine's end of `weights/sync.py`.
 
-Pass `worker_extension_cls="megatron_rl.weights.engine.worker.WeightUpdateExtension"` to `vllm.LLM(...)`;
-vLLM mixes this class into its worker, and `llm.collective_rpc("<method>", args=(...))` calls a method on
-every worker. Tensors cannot travel through `collective_rpc`, so the real transport (a gloo broadcast) calls
-`self.mrl_weight_loader().load(...)` / `.finish()` from inside the worker; `mrl_load_file_for_test` reads a
-safetensors checkpoint from disk instead and exists for tests only.
+vLLM mixes the class that `EngineSpec.worker_extension` names (`worker_extension_cls`; default `EXTENSION`, this
+module's `WeightUpdateExtension`) into each of its workers, and `collective_rpc(name, args)` calls one of its
+methods on every worker. Callers name the methods by the constants below (`INIT_WEIGHT_GROUPS`, ...), never by
+bare strings. Tensors cannot travel through `collective_rpc`, so an update comes over the weight groups
+(`receiver.py`) and goes into the model through the loader (`loader.py`). Tests and the benchmark add their own
+RPCs in subclasses (`tests/support/weight_extension.py`, `bench/weight_sync_baseline.py`).
 
 Every attribute here is prefixed `mrl_`: vLLM refuses an extension whose attribute names clash with the
 worker's.
+
+The launcher imports this module (through `rollout/engine.py`) for the names: it imports no vLLM, so the loader
+(which does) is imported where the first worker makes it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING
 
 from megatron_rl.parallel.patches import applied_vllm_patches
-from megatron_rl.weights.engine.loader import InPlaceWeightLoader, checkpoint_shapes
 from megatron_rl.weights.engine.receiver import WeightReceiver
+
+if TYPE_CHECKING:
+    from megatron_rl.weights.engine.loader import InPlaceWeightLoader
 
 
 class WeightUpdateExtension:
@@ -29,43 +33,27 @@ class WeightUpdateExtension:
         """The worker's loader, created on first use for the model the worker runs."""
         loader = getattr(self, "_mrl_loader", None)
         if loader is None:
+            # Here, not at the top: the loader imports vLLM, and the launcher imports this module (module doc).
+            from megatron_rl.weights.engine.loader import InPlaceWeightLoader, checkpoint_shapes
+
             model_config = self.model_runner.model_config
             parallel = self.model_runner.vllm_config.parallel_config
             # Under pipeline or expert parallel inference a rank legitimately ignores other ranks' tensors.
             distributed = parallel.pipeline_parallel_size > 1 or getattr(parallel, "enable_expert_parallel", False)
+            # Updates share the layout of the checkpoint the engine started from (when it is a local folder).
+            shapes = checkpoint_shapes(model_config.model) if Path(model_config.model).is_dir() else {}
             loader = InPlaceWeightLoader(
                 self.model_runner.get_model(),
                 act_dtype=model_config.dtype,
                 strict=not distributed,
-                expected_shapes=_start_checkpoint_shapes(model_config.model),
+                expected_shapes=shapes or None,
             )
             self._mrl_loader = loader
         return loader
 
     def mrl_describe_weight_loader(self) -> dict:
         """Loader mode, counts of prepacked parameters, and the vLLM patches applied in this worker (picklable)."""
-
         return {**self.mrl_weight_loader().describe(), "vllm_patches": applied_vllm_patches()}
-
-    def mrl_load_file_for_test(self, path: str, names: list[str] | None = None) -> int:
-        """TEST ONLY: load the tensors `names` (all if None) of a safetensors file or checkpoint folder."""
-
-        files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
-        wanted = None if names is None else set(names)
-        tensors = []
-        for file in files:
-            for name, tensor in load_file(str(file)).items():
-                if wanted is None or name in wanted:
-                    tensors.append((name, tensor))
-        if wanted is not None and len(tensors) != len(wanted):
-            found = {name for name, _ in tensors}
-            raise KeyError(f"not in {path}: {sorted(wanted - found)[:10]}")
-        return self.mrl_weight_loader().load(tensors)
-
-    def mrl_load_named_for_test(self, named: list[tuple[str, list]]) -> int:
-        """TEST ONLY: load tensors sent as (name, nested list) pairs, e.g. to provoke errors."""
-
-        return self.mrl_weight_loader().load((name, torch.tensor(data)) for name, data in named)
 
     def mrl_init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> dict:
         """Join every trainer sender's weight group as member `rank_offset + this worker's index in the engine`."""
@@ -84,23 +72,29 @@ class WeightUpdateExtension:
         replica, per_replica = (parallel.data_parallel_rank, parallel.world_size) if parallel else (0, 1)
         return replica * per_replica + int(getattr(self, "rank", 0))
 
-    def mrl_receive_update(self, version: int, plan_json: str) -> dict:
-        """Receive update `version` (every bucket of the plan) over the weight groups and load it in place."""
+    def mrl_weight_receiver(self) -> WeightReceiver:
+        """The worker's receiver (its weight groups); RuntimeError before `mrl_init_weight_groups`."""
         receiver = getattr(self, "_mrl_receiver", None)
         if receiver is None:
-            raise RuntimeError("mrl_receive_update before mrl_init_weight_groups")
-        return receiver.receive(version, plan_json, self.mrl_weight_loader())
+            raise RuntimeError(f"weight transfer before {INIT_WEIGHT_GROUPS}")
+        return receiver
 
-    def mrl_receive_raw(self, sender: int, nbytes: int, chunk_bytes: int, in_flight: int = 1) -> dict:
-        """Benchmark baseline: receive bytes over the weight group of `sender` without loading them."""
-        return self._mrl_receiver.receive_raw(sender, nbytes, chunk_bytes, in_flight)
+    def mrl_receive_update(self, version: int, plan_json: str) -> dict:
+        """Receive update `version` (every bucket of the plan) over the weight groups and load it in place."""
+        return self.mrl_weight_receiver().receive(version, plan_json, self.mrl_weight_loader())
 
     def mrl_finish_weight_update(self) -> None:
         """End the current update (see `InPlaceWeightLoader.finish`)."""
         self.mrl_weight_loader().finish()
 
 
-def _start_checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
-    """Names and shapes of the checkpoint the engine started from (updates share its layout); None if not local."""
-    shapes = checkpoint_shapes(model) if Path(model).is_dir() else {}
-    return shapes or None
+EXTENSION = f"{WeightUpdateExtension.__module__}.{WeightUpdateExtension.__qualname__}"
+"""The production extension by qualified name (vLLM's `worker_extension_cls` takes a name)."""
+INIT_WEIGHT_GROUPS = WeightUpdateExtension.mrl_init_weight_groups.__name__
+"""RPC: join the trainer senders' weight groups (args: groups JSON, rank offset, timeout in seconds)."""
+RECEIVE_UPDATE = WeightUpdateExtension.mrl_receive_update.__name__
+"""RPC: receive and load one whole update (args: version, plan JSON); returns the worker's report."""
+FINISH_WEIGHT_UPDATE = WeightUpdateExtension.mrl_finish_weight_update.__name__
+"""RPC: end the current update (after loads made by other RPCs)."""
+DESCRIBE_WEIGHT_LOADER = WeightUpdateExtension.mrl_describe_weight_loader.__name__
+"""RPC: the loader's mode and counts, and the vLLM patches applied."""
