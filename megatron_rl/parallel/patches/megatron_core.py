@@ -14,6 +14,8 @@ import types
 
 import torch
 
+from megatron_rl.parallel.patches.torch_distributed import apply_torch_patches
+
 _APPLIED: list[str] = []
 
 
@@ -371,8 +373,10 @@ _CPU_ONLY = (
 
 
 def apply_patches() -> list[str]:
-    """Apply every patch once: the device-independent fixes, and the CPU patches when CUDA is unavailable;
-    return the names applied in this process."""
+    """Apply every patch once: torch's (`torch_distributed.py`, listed by `applied_torch_patches()`), the
+    device-independent fixes, and the CPU patches when CUDA is unavailable; return the Megatron-Core names applied
+    in this process."""
+    apply_torch_patches()
     if _APPLIED:
         return applied_patches()
     patches = _ALL_DEVICES + (() if torch.cuda.is_available() else _CPU_ONLY)
