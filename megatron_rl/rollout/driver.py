@@ -1,8 +1,9 @@
 """The generation driver: keeps every engine busy, scores responses off the critical path, fills the buffer.
 
 It runs as asyncio tasks in the launching process. Each engine gets `max_concurrent_prompts` workers; a worker
-claims a prompt, generates `samples_per_prompt` responses on its engine, scores them in a thread pool and puts
-the group into the buffer. A gate bounds how far generation runs ahead of the trainer: the groups for step s
+claims a prompt, generates `samples_per_prompt` responses on its engine, scores them (plain reward functions in
+a thread pool, `async` ones on the loop, each call within `task.reward_timeout_s`) and puts the group into the
+buffer. A gate bounds how far generation runs ahead of the trainer: the groups for step s
 are only claimed once the trainer's weights are at version >= s - lag (lag 0: sync, 1: one step off, async:
 max_staleness). It counts the prompts the buffer still accounts for (consumed, buffered, in flight), so a dropped
 or requeued prompt frees its place for another and the trainer's batch still fills.
@@ -14,13 +15,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
 from megatron_rl.errors import UserError
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
 from megatron_rl.rollout.engine import GenerationRequest
+from megatron_rl.rollout.rewards import RewardRunner
 from megatron_rl.rollout.types import Group, Sample
 
 MODE_LAG = {"sync": 0, "one_step_off": 1}
@@ -80,7 +81,9 @@ class GenerationDriver:
         self.stats = DriverStats()
         self.trainer_version = 0
         self._stop = asyncio.Event()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reward")
+        self._rewards = RewardRunner(cfg.task.reward_timeout_s, workers=2)
+        if task is not None:
+            task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties' default max_tokens
         self._claim_lock = asyncio.Lock()
         self.failure: BaseException | None = None
         self.down: dict[str, str] = {}
@@ -103,11 +106,16 @@ class GenerationDriver:
 
     async def run(self) -> DriverStats:
         """Run until stopped (or the prompts run out); returns the counters."""
-        workers = [self._worker(name) for name in self.engines for _ in range(self.cfg.rollout.max_concurrent_prompts)]
+        per_engine = self.cfg.rollout.max_concurrent_prompts
+        workers = [asyncio.ensure_future(self._worker(name)) for name in self.engines for _ in range(per_engine)]
         try:
             await asyncio.gather(*workers)
         finally:
-            self._pool.shutdown(wait=False)
+            # One worker's error (or a cancel) ends them all: a leftover worker would score on a closed reward pool.
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            self._rewards.shutdown()
         return self.stats
 
     async def _call_buffer(self, method: str, *args):
@@ -237,27 +245,19 @@ class GenerationDriver:
         self.stats.generated_tokens += sum(len(r.token_ids) for r in results)
         return list(results)
 
-    async def _score(self, index: int, record: dict, results: list) -> Group:
-        loop = asyncio.get_running_loop()
-        samples = []
-        for i, result in enumerate(results):
-            sample = Sample.from_generation(result, index, group_id=str(index))
-            text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            sample.reward = await self._reward(loop, text, record.get("answer"), sample)
-            sample.metadata["sample"] = i
-            samples.append(sample)
-        return Group(index, samples)
+    async def score(self, texts: list[str], record: dict) -> list[float]:
+        """The rewards of decoded responses to one prompt record, in the driver's reward threads with its time
+        limit (for evaluation: no samples, nothing goes to the buffer)."""
+        return await self.task.score_group(texts, record, None, self._rewards)
 
-    async def _reward(self, loop: asyncio.AbstractEventLoop, text: str, answer, sample: Sample) -> float:
-        """The task's score of one response, in the reward threads; NaN (a failed reward) past the timeout."""
-        limit = self.cfg.task.reward_timeout_s
-        try:
-            return await asyncio.wait_for(
-                loop.run_in_executor(self._pool, self.task.score, text, answer, sample), limit
-            )
-        except asyncio.TimeoutError:
-            self.task.record_failure(f"timed out after task.reward_timeout_s={limit:g} s", sample)
-            return float("nan")
+    async def _score(self, index: int, record: dict, results: list) -> Group:
+        """The group of one prompt's results, each sample with its reward (NaN where the reward failed)."""
+        samples = [Sample.from_generation(r, index, group_id=str(index), sample=i) for i, r in enumerate(results)]
+        texts = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+        rewards = await self.task.score_group(texts, record, samples, self._rewards)
+        for sample, reward in zip(samples, rewards):
+            sample.reward = reward
+        return Group(index, samples)
 
 
 def error_line(err: BaseException, limit: int = 200) -> str:

@@ -1,45 +1,49 @@
 """Tasks: where prompts come from and how responses are rewarded.
 
-A `Task` yields prompt records (JSON-able dicts: `prompt` text, `prompt_ids`, `answer`, `source`) epoch by epoch
-and rewards a decoded response against the record's answer. `PromptStream` walks a task's prompts with a data
-position that checkpoints save and restore. Built-in tasks are small enough that a tiny random MoE learns them on
-CPU in minutes; `DatasetTask` reads jsonl/parquet prompts through `datasets`.
+A `Task` yields prompt records (JSON-able dicts: `prompt` text, `prompt_ids`, `answer`, `source`; dataset rows
+add `data_source`, `row` and `messages`, see `rollout/data.py`) epoch by epoch, and scores a group of decoded
+responses with its rewards (`rollout/rewards/`). `PromptStream` walks a task's prompts with a data position that
+checkpoints save and restore. Built-in tasks are small enough that a tiny random MoE learns them on CPU in
+minutes; `DatasetTask` reads jsonl/parquet files, folders and Hugging Face datasets, several mixed by weight.
 
-Rewards are pluggable by dotted path (`package.module:function` or `package.module.function`), called as
-`fn(response_text, answer, sample) -> float`. `Task.score` never raises: a reward that raises or returns a
-non-number, NaN or inf is counted, logged with the sample's prompt index, and scored NaN, which makes the rollout
-buffer drop the whole group as 'bad_reward' (a substitute such as 0 would skew the group-relative advantages of
-the group's other samples).
+Rewards are the task's own, or the configured functions (`task.reward`, `task.rewards`: ours, verl's or TRL's
+calling convention), with the length penalties added. Scoring never raises: a reward that raises (`sys.exit`
+too), times out, or returns a non-number, NaN or inf is counted, logged with the sample's prompt index and
+source, and scored NaN, which makes the rollout buffer drop the whole group as 'bad_reward' (a substitute such as
+0 would skew the group-relative advantages of the group's other samples).
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
-import importlib
-import math
-import numbers
 import random
-import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.errors import UserError
+from megatron_rl.config.task import DatasetConfig, TaskConfig
+from megatron_rl.rollout.data import DatasetSource, Mixture, chat_template_text, encode
+from megatron_rl.rollout.rewards import (
+    InlineRunner,
+    RewardFunction,
+    RewardSet,
+    configured_functions,
+    describe,
+    load_reward,
+    math_reward,
+    shapers,
+)
+from megatron_rl.rollout.types import TaskError
 
-RewardFn = Callable[[str, Any, Any], float]
-"""fn(response_text, answer, sample) -> float; `sample` is a `Sample` (or None outside a rollout)."""
+__all__ = [
+    "BUILTIN_TASKS", "CopyTask", "CountTask", "DatasetTask", "PromptStream", "Task", "TaskError", "encode",
+    "load_reward", "load_tokenizer", "make_eval_prompts", "make_task", "math_reward",
+]  # fmt: skip
 
-FAILURE_LOG_SIZE = 100  # recent reward failures / skipped rows kept in full; the counts are always complete
-
-
-class TaskError(UserError, ValueError):
-    """A task cannot be built or used; the message names the file, row, field or dotted path at fault."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Tokenizers: HF (`transformers`) and raw `tokenizers.Tokenizer` objects both work.
+FAILURE_LOG_SIZE = 100  # recent reward failures kept in full; the counts are always complete
 
 
 def load_tokenizer(path: str | Path):
@@ -49,182 +53,78 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of `text`, with whatever special tokens the tokenizer itself adds to a prompt."""
-    out = tokenizer.encode(text)
-    return list(out.ids) if hasattr(out, "ids") else list(out)
-
-
-def _prompt_text(tokenizer, prompt: Any) -> str | None:
-    """Prompt text of a dataset cell: a string, or chat messages rendered with the tokenizer's chat template."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
-        if not hasattr(tokenizer, "apply_chat_template"):
-            return None
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Pluggable rewards.
-
-
-def load_reward(path: str) -> RewardFn:
-    """Import a reward function from `package.module:function` or `package.module.function`."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise TaskError(f"reward {path!r}: expected 'package.module:function' or 'package.module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise TaskError(f"reward {path!r}: cannot import module {module_name!r}: {err}") from err
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise TaskError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise TaskError(f"reward {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Math answers: the last \boxed{...} or else the last number of the response, compared numerically.
-
-# Thousands separators only in groups of three, so that a list "1,2,3" does not read as 123.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_FRAC = re.compile(r"\\d?frac\{([^{}]+)\}\{([^{}]+)\}")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            if depth == 0:
-                return text[begin:i]
-            depth -= 1
-    return None
-
-
-def parse_number(text: str) -> float | None:
-    """The value of a number written as an integer, decimal, `1,234`, `a/b` or `\\frac{a}{b}`; else None."""
-    text = text.strip().strip("$").strip()
-    frac = _FRAC.fullmatch(text)
-    if frac:
-        num, den = parse_number(frac.group(1)), parse_number(frac.group(2))
-        return None if num is None or den in (None, 0) else num / den
-    text = text.replace(",", "")
-    try:
-        if "/" in text:
-            num, den = text.split("/", 1)
-            return float(num) / float(den) if float(den) != 0 else None
-        return float(text)
-    except ValueError:
-        return None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response: the last `\\boxed{...}`, else the last number, else None."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    numbers_found = _NUMBER.findall(_FRAC.sub(lambda m: f"{m.group(1)}/{m.group(2)}", text))
-    return numbers_found[-1] if numbers_found else None
-
-
-def _reference_value(answer: Any) -> tuple[float | None, str]:
-    """Numeric value and normalised text of a reference answer (number, '42', '#### 42', '\\boxed{42}')."""
-    if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
-        return float(answer), str(answer)
-    text = str(answer)
-    value = parse_number(text)
-    if value is None:
-        extracted = extract_answer(text)
-        if extracted is not None:
-            text, value = extracted, parse_number(extracted)
-    return value, _normalise(text)
-
-
-def _normalise(text: str) -> str:
-    return re.sub(r"\s+", "", text).strip("$.").lower()
-
-
-def math_reward(response: str, answer: Any, sample: Any = None) -> float:
-    """1.0 when the response's final answer (last `\\boxed{}` or last number) equals the reference, else 0.0.
-
-    Numbers compare with relative tolerance 1e-6; non-numeric answers compare as whitespace-free lower-case text.
-    """
-    got = extract_answer(response)
-    if got is None:
-        return 0.0
-    ref_value, ref_text = _reference_value(answer)
-    value = parse_number(got)
-    if ref_value is not None and value is not None:
-        return 1.0 if math.isclose(value, ref_value, rel_tol=1e-6, abs_tol=1e-9) else 0.0
-    return 1.0 if _normalise(got) == ref_text else 0.0
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The Task interface.
 
 
 class Task(abc.ABC):
-    """Prompts plus a reward. Subclasses implement `prompts` and `reward`; callers use `score`."""
+    """Prompts plus rewards. Subclasses implement `prompts` and `reward`; callers use `score_group` (or `score`)."""
 
     name: str = "task"
     """Short name (metrics, errors)."""
     chance_level: float | None = None
     """Expected reward of a policy that samples tokens uniformly from the vocabulary (None: unknown)."""
 
-    def __init__(self, reward_fn: RewardFn | None = None, reward_name: str = ""):
-        self.reward_fn = reward_fn
-        self.reward_name = reward_name or (getattr(reward_fn, "__qualname__", "") if reward_fn else self.name)
+    def __init__(self, rewards: list[RewardFunction] | None = None):
+        self.reward_functions = list(rewards or [])
+        self.shapers: list[Callable[[int], float]] = []
+        self.shaping: TaskConfig | None = None
         self.reward_failures = 0
         self.reward_failure_log: collections.deque[dict] = collections.deque(maxlen=FAILURE_LOG_SIZE)
         self._failure_lock = threading.Lock()  # rewards are scored on several driver threads
 
     @abc.abstractmethod
     def prompts(self, epoch: int = 0, start: int = 0) -> Iterator[dict]:
-        """Prompt records of one epoch from position `start` on (endless for generated tasks).
-
-        Each record is JSON-able: `prompt` (text), `prompt_ids` (token ids), `answer`, `source`.
-        """
+        """Prompt records of one epoch from position `start` on (endless for generated tasks)."""
 
     @abc.abstractmethod
     def reward(self, response: str, answer: Any, sample: Any = None) -> float:
         """The task's own reward of a decoded response."""
 
-    def score(self, response: str, answer: Any, sample: Any = None) -> float:
-        """The reward (the configured function, else the task's own); NaN, counted and logged, when it fails.
+    @property
+    def reward_name(self) -> str:
+        """The rewards, as the config named them (logs)."""
+        return ", ".join(f.source for f in self.reward_functions) or self.name
 
-        A failure is a raise, a non-number, NaN or inf. When `sample` is given, its metadata gets
-        `reward_error`, which the buffer reports when it drops the group.
+    def reward_set(self) -> RewardSet:
+        """The configured reward functions (else the task's own) with the length penalties."""
+        functions = self.reward_functions or [describe(self.reward, self.name)]
+        return RewardSet(functions, self.shapers)
+
+    def set_response_limit(self, max_new_tokens: int) -> None:
+        """Build the length penalties, whose `max_tokens` of 0 means the engines' `max_new_tokens`."""
+        if self.shaping is not None:
+            self.shapers = shapers(self.shaping, max_new_tokens)
+
+    async def score_group(
+        self, responses: list[str], record: dict, samples: list[Any] | None = None, runner=None
+    ) -> list[float]:
+        """The rewards of one prompt's responses (NaN where a reward failed: counted, logged, and the sample's
+        metadata says why). Each sample's `metadata['rewards']` gets every component's value.
+
+        `samples`: the responses' `Sample`s (None: none, as in evaluation). `runner` runs the calls
+        (`rewards.RewardRunner`: threads and a time limit); default: in this thread, without a limit.
         """
-        fn = self.reward_fn or self.reward
-        try:
-            value = fn(response, answer, sample)
-            error = None if _is_finite_number(value) else f"returned {value!r}"
-        except Exception as err:  # any user reward bug: count it, never crash the generation driver
-            error = f"raised {type(err).__name__}: {err}"
-        if error is None:
-            return float(value)
-        self.record_failure(error, sample)
-        return float("nan")
+        samples = list(samples) if samples is not None else [None] * len(responses)
+        scored = await self.reward_set().score(responses, [record] * len(responses), samples, runner or InlineRunner())
+        for result, sample in zip(scored, samples):
+            metadata = getattr(sample, "metadata", None)
+            if isinstance(metadata, dict):
+                metadata["rewards"] = result.components
+                if result.info:
+                    metadata["reward_info"] = result.info
+            if result.error is not None:
+                self.record_failure(result.error, sample)
+        return [result.reward for result in scored]
 
-    def record_failure(self, error: str, sample: Any) -> None:
-        """Count and log one failed reward (`error` says how, e.g. "raised ValueError: ..."); mark `sample`."""
+    def score(self, response: str, answer: Any, sample: Any = None, record: dict | None = None) -> float:
+        """The reward of one response in this thread (no time limit; not from inside a running event loop)."""
+        record = {**(record or {}), "answer": answer}
+        return asyncio.run(self.score_group([response], record, [sample]))[0]
+
+    def record_failure(self, message: str, sample: Any) -> None:
+        """Count and log one failed reward (`message` names the reward and says how); mark `sample`."""
         index = getattr(sample, "prompt_index", None)
-        message = f"reward {self.reward_name!r} {error}"
         with self._failure_lock:
             self.reward_failures += 1
             self.reward_failure_log.append({"prompt_index": index, "error": message})
@@ -245,10 +145,6 @@ class Task(abc.ABC):
         return {"task": self.name, "reward_failures": self.reward_failures, "recent": list(self.reward_failure_log)}
 
 
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and math.isfinite(value)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Built-in tasks for the tiny models: dense, verifiable, max 1.0, low at random init.
 
@@ -262,8 +158,8 @@ def _digit_count(text: str) -> int:
 class _GeneratedTask(Task):
     """An endless, deterministic prompt generator: prompt i of an epoch depends only on (seed, epoch, i)."""
 
-    def __init__(self, tokenizer, seed: int = 0, length: int = 8, reward_fn: RewardFn | None = None, reward_name=""):
-        super().__init__(reward_fn, reward_name)
+    def __init__(self, tokenizer, seed: int = 0, length: int = 8, rewards: list[RewardFunction] | None = None):
+        super().__init__(rewards)
         if length < 1:
             raise TaskError(f"task {self.name}: length must be at least 1, got {length}")
         self.tokenizer = tokenizer
@@ -345,142 +241,72 @@ BUILTIN_TASKS: dict[str, type[_GeneratedTask]] = {"count": CountTask, "copy": Co
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Dataset files.
+# Datasets.
 
 
 class DatasetTask(Task):
-    """Prompts from a jsonl or parquet file (loaded with `datasets`), rewarded by a function (math by default).
+    """Prompts from one or more datasets (`rollout/data.py`), mixed by weight, rewarded by the configured functions
+    (math by default).
 
-    Rows whose prompt or answer is missing/empty/not text, or whose prompt is longer than `max_prompt_tokens`,
-    are skipped at construction and counted by reason; `skipped_log` names file and row index (0-based record
-    number) of the first `FAILURE_LOG_SIZE`. Each epoch visits the remaining rows once, shuffled by
-    (`shuffle_seed`, epoch) unless `shuffle_seed` is None.
+    Unusable rows are skipped at construction and counted by reason (`skipped`, `skipped_log`: file and row).
+    Each epoch holds as many prompts as all datasets have usable rows, shared out by weight; with one dataset it
+    visits every usable row once, shuffled by (`seed`, epoch) unless `shuffle` is off or `seed` is None.
     """
 
     name = "dataset"
 
     def __init__(
         self,
-        path: str | Path,
+        specs: list[DatasetConfig],
         tokenizer,
-        fmt: str | None = None,
-        prompt_key: str = "prompt",
-        answer_key: str = "answer",
         max_prompt_tokens: int = 256,
-        reward_fn: RewardFn | None = None,
-        reward_name: str = "",
-        shuffle_seed: int | None = 0,
+        seed: int | None = 0,
+        shuffle: bool = True,
+        chat_template: str = "",
+        rewards: list[RewardFunction] | None = None,
     ):
-        super().__init__(reward_fn, reward_name)
-        self.path = str(path)
-        self.fmt = fmt or _format_of(self.path)
+        super().__init__(rewards)
+        if not specs:
+            raise TaskError("a dataset task needs at least one dataset (task.path or task.datasets)")
         self.tokenizer = tokenizer
-        self.prompt_key, self.answer_key = prompt_key, answer_key
-        self.max_prompt_tokens = max_prompt_tokens
-        self.shuffle_seed = shuffle_seed
-        self.skipped: collections.Counter[str] = collections.Counter()
-        self.skipped_log: list[dict] = []
-        self._rows = _load_rows(self.path, self.fmt)
-        self._check_columns()
-        self._valid = [i for i in range(len(self._rows)) if self._row_ok(i)]
-        if not self._valid:
-            raise TaskError(f"{self.path}: no usable rows out of {len(self._rows)} ({self.skip_summary()})")
+        self.sources = [DatasetSource(s, tokenizer, max_prompt_tokens, chat_template) for s in specs]
+        self.mixture = Mixture([len(s) for s in self.sources], [s.weight for s in specs], seed, shuffle)
 
-    def _check_columns(self) -> None:
-        columns = set(self._rows.column_names)
-        missing = [k for k in (self.prompt_key, self.answer_key) if k not in columns]
-        if missing:
-            raise TaskError(
-                f"{self.path}: no column {', '.join(map(repr, missing))} (columns: {sorted(columns)}); "
-                "set task.prompt_key / task.answer_key"
-            )
+    @property
+    def skipped(self) -> collections.Counter[str]:
+        """Skipped rows by reason, over all datasets."""
+        return sum((s.skipped for s in self.sources), collections.Counter())
 
-    def _skip(self, row: int, reason: str, detail: str) -> bool:
-        self.skipped[reason] += 1
-        if len(self.skipped_log) < FAILURE_LOG_SIZE:
-            self.skipped_log.append({"file": self.path, "row": row, "reason": reason, "detail": detail})
-        return False
-
-    def _row_ok(self, row: int) -> bool:
-        record = self._rows[row]
-        prompt, answer = record.get(self.prompt_key), record.get(self.answer_key)
-        if prompt is None or prompt == "" or prompt == []:
-            return self._skip(row, "missing_prompt", f"field {self.prompt_key!r} is missing or empty")
-        if answer is None or answer == "":
-            return self._skip(row, "missing_answer", f"field {self.answer_key!r} is missing or empty")
-        text = _prompt_text(self.tokenizer, prompt)
-        if text is None:
-            return self._skip(row, "bad_prompt", f"field {self.prompt_key!r} is a {type(prompt).__name__}, not text")
-        length = len(encode(self.tokenizer, text))
-        if length > self.max_prompt_tokens:
-            return self._skip(row, "too_long", f"{length} prompt tokens > max_prompt_tokens={self.max_prompt_tokens}")
-        return True
+    @property
+    def skipped_log(self) -> list[dict]:
+        """The first skipped rows of every dataset (file, row, reason, detail)."""
+        return [entry for s in self.sources for entry in s.skipped_log]
 
     def __len__(self) -> int:
-        return len(self._valid)
+        return sum(len(s) for s in self.sources)
 
     def skip_summary(self) -> str:
-        """One line: skipped rows by reason and the first few locations."""
-        if not self.skipped:
-            return "no rows skipped"
-        counts = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items()))
-        where = "; ".join(f"{e['file']} row {e['row']}: {e['detail']}" for e in self.skipped_log[:3])
-        return f"skipped {sum(self.skipped.values())} rows ({counts}); e.g. {where}"
-
-    def _order(self, epoch: int) -> list[int]:
-        order = list(self._valid)
-        if self.shuffle_seed is not None:
-            random.Random(f"{self.shuffle_seed}:{epoch}").shuffle(order)
-        return order
+        """One line per dataset with skipped rows: by reason, and the first few locations."""
+        return "; ".join(s.skip_summary() for s in self.sources if s.skipped) or "no rows skipped"
 
     def prompts(self, epoch: int = 0, start: int = 0) -> Iterator[dict]:
-        """The usable rows of one epoch from position `start` on."""
-        for row in self._order(epoch)[start:]:
-            record = self._rows[row]
-            text = _prompt_text(self.tokenizer, record[self.prompt_key])
-            yield {
-                "prompt": text,
-                "prompt_ids": encode(self.tokenizer, text),
-                "answer": record[self.answer_key],
-                "source": f"{self.path}:{row}",
-            }
+        """The prompts of one epoch from position `start` on."""
+        for source, at in self.mixture.order(epoch)[start:]:
+            dataset = self.sources[source]
+            yield dataset.record(dataset.valid[at])
 
     def reward(self, response: str, answer: Any, sample: Any = None) -> float:
-        """Math answer reward (`math_reward`) unless a reward function was configured."""
+        """Math answer reward (math-verify) unless reward functions were configured."""
         return math_reward(response, answer, sample)
 
     def report(self) -> dict:
-        """Reward failures plus skipped rows by reason (and where)."""
+        """Reward failures plus, per dataset, rows, usable rows and skipped rows by reason (and where)."""
         out = super().report()
-        out.update(rows=len(self._rows), usable=len(self._valid), skipped=dict(self.skipped))
+        out["datasets"] = [
+            {"path": s.path, "rows": len(s.rows), "usable": len(s), "skipped": dict(s.skipped)} for s in self.sources
+        ]
         out["skipped_examples"] = self.skipped_log[:10]
         return out
-
-
-def _format_of(path: str) -> str:
-    suffix = Path(path).suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        return "json"
-    if suffix == ".parquet":
-        return "parquet"
-    raise TaskError(f"{path}: cannot tell the format from {suffix!r}; use a .jsonl or .parquet file")
-
-
-def _load_rows(path: str, fmt: str):
-    """The file's rows as a `datasets.Dataset` (no caching next to the user's file)."""
-    if not Path(path).is_file():
-        raise TaskError(f"dataset file {path!r} does not exist")
-    try:
-        import datasets  # optional, and slow to import: only for parquet files
-    except ImportError as err:
-        raise TaskError(f"{path}: reading datasets needs the `datasets` package ({err})") from err
-    builder = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(fmt)
-    if builder is None:
-        raise TaskError(f"{path}: unknown dataset format {fmt!r} (allowed: jsonl, parquet)")
-    try:
-        return datasets.load_dataset(builder, data_files=path, split="train", keep_in_memory=True)
-    except Exception as err:  # datasets raises many types (Arrow, JSON, cast errors)
-        raise TaskError(f"{path}: cannot read as {fmt}: {type(err).__name__}: {err}") from err
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -543,29 +369,40 @@ class PromptStream:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Factory.
+# Factories.
 
 
-def make_task(cfg, tokenizer, seed: int = 0, length: int = 8) -> Task:
+def make_task(cfg: TaskConfig, tokenizer, seed: int = 0, length: int = 8) -> Task:
     """Build the task a `TaskConfig` describes; `tokenizer` is a tokenizer object or a checkpoint folder."""
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(tokenizer)
-    reward_fn = load_reward(cfg.reward) if cfg.reward else None
+    functions = configured_functions(cfg)
     if cfg.name in BUILTIN_TASKS:
-        return BUILTIN_TASKS[cfg.name](tokenizer, seed=seed, length=length, reward_fn=reward_fn, reward_name=cfg.reward)
-    if cfg.name in ("jsonl", "parquet"):
-        if not cfg.path:
-            raise TaskError(f"task.name={cfg.name!r} needs task.path (the dataset file)")
-        return DatasetTask(
-            cfg.path,
-            tokenizer,
-            fmt=cfg.name,
-            prompt_key=cfg.prompt_key,
-            answer_key=cfg.answer_key,
-            max_prompt_tokens=cfg.max_prompt_tokens,
-            reward_fn=reward_fn,
-            reward_name=cfg.reward,
-            shuffle_seed=seed,
+        task: Task = BUILTIN_TASKS[cfg.name](tokenizer, seed=seed, length=length, rewards=functions)
+    elif cfg.name in ("jsonl", "parquet", "dataset"):
+        template = chat_template_text(cfg.chat_template)
+        task = DatasetTask(
+            cfg.dataset_specs(), tokenizer, cfg.max_prompt_tokens, seed, cfg.shuffle, template, rewards=functions
         )
-    allowed = sorted(BUILTIN_TASKS) + ["jsonl", "parquet"]
-    raise TaskError(f"task.name={cfg.name!r} is not a task (allowed: {', '.join(allowed)})")
+    else:
+        allowed = sorted(BUILTIN_TASKS) + ["dataset", "jsonl", "parquet"]
+        raise TaskError(f"task.name={cfg.name!r} is not a task (allowed: {', '.join(allowed)})")
+    task.shaping = cfg
+    shapers(cfg, max_new_tokens=1 << 30)  # refuse a bad penalty config now; built for real by set_response_limit
+    return task
+
+
+def make_eval_prompts(cfg: TaskConfig, tokenizer, limit: int | None = None) -> list[dict]:
+    """The prompt records of `task.eval_datasets` (each dataset's usable rows in file order, at most `limit` of
+    each), in the format of the training records: score them with the training task's `score_group`.
+
+    Bad data fails here as it does for training (TaskError naming file, row and column); [] without eval data.
+    """
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
+    template = chat_template_text(cfg.chat_template)
+    records = []
+    for spec in cfg.eval_specs():
+        source = DatasetSource(spec, tokenizer, cfg.max_prompt_tokens, template)
+        records += [source.record(row) for row in source.valid[:limit]]
+    return records

@@ -1,5 +1,6 @@
 """Typed structs that cross process boundaries on the generation side: one `Sample` (a response with its
-behaviour logprobs and the weight version of every token) and one `Group` (the samples of one prompt).
+behaviour logprobs and the weight version of every token) and one `Group` (the samples of one prompt); and the
+error of a task, its data or its rewards (`TaskError`).
 
 Both are plain dataclasses of JSON-able fields: Ray ships them between actors, and `to_dict`/`from_dict` give the
 JSON form that buffer checkpoints hold (never a pickle).
@@ -11,6 +12,12 @@ import dataclasses
 import math
 import numbers
 from typing import Any
+
+from megatron_rl.errors import UserError
+
+
+class TaskError(UserError, ValueError):
+    """A task cannot be built or used; the message names the file, row, column, field or dotted path at fault."""
 
 
 @dataclasses.dataclass
@@ -36,7 +43,9 @@ class Sample:
     engine: str = ""
     """Name of the engine that generated it."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Free-form JSON-able extras (decoded text, reward error, routed experts, ...)."""
+    """Free-form JSON-able extras: `rewards` ({component: value}: each reward function's value and each length
+    penalty, for the `reward/<name>` metrics), `reward_error`, `reward_info` (a verl reward's extra entries),
+    routed experts, ..."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

@@ -1,22 +1,29 @@
 """The generation driver: the reward-failure guard, the engine down/back bookkeeping, and the driver running
-against the real buffer (in this process, no Ray) with stand-in engines: the staleness gate, requeues, timeouts."""
+against the real buffer (in this process, no Ray) with stand-in engines: the staleness gate, requeues, timeouts,
+a reward that exits on every call, and scoring for evaluation."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
+import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import load_config
+from megatron_rl.config import TaskConfig, load_config
 from megatron_rl.rollout import driver as driver_module
 from megatron_rl.rollout.buffer import RolloutBuffer
 from megatron_rl.rollout.driver import GenerationDriver, GenerationError, RewardError, error_line
 from megatron_rl.rollout.engine import EngineError, GenerationRequest, GenerationResult
-from megatron_rl.rollout.tasks import PromptStream, Task
+from megatron_rl.rollout.tasks import PromptStream, Task, make_task
 from megatron_rl.rollout.types import Group, Sample
+
+TRL = str(Path(__file__).resolve().parents[1] / "fixtures" / "trl_math.jsonl")
 
 
 def _group(index: int, failed: bool) -> Group:
@@ -123,10 +130,12 @@ class StandInTokenizer:
         return "x"
 
 
-def _running_driver(buffer: RolloutBuffer, task: Task, engine: StandInEngine, lag: int) -> GenerationDriver:
+def _running_driver(
+    buffer: RolloutBuffer, task: Task, engine: StandInEngine, lag: int, *overrides: str
+) -> GenerationDriver:
     cfg = load_config(
         "configs/quickstart.yaml",
-        ["prompts_per_step=2", "rollout.samples_per_prompt=1", "rollout.max_concurrent_prompts=2"],
+        ["prompts_per_step=2", "rollout.samples_per_prompt=1", "rollout.max_concurrent_prompts=2", *overrides],
     )
     return GenerationDriver(LocalActor(buffer), {"e0": engine}, task, StandInTokenizer(), cfg, lag=lag)
 
@@ -271,8 +280,7 @@ class HangingRewardTask(CountingTask):
 def test_a_reward_past_its_timeout_is_a_failed_reward():
     task = HangingRewardTask()
     buffer = RolloutBuffer(capacity=8, prompts=PromptStream(task))
-    driver = _running_driver(buffer, task, StandInEngine(), lag=0)
-    driver.cfg.task.reward_timeout_s = 0.2
+    driver = _running_driver(buffer, task, StandInEngine(), 0, "task.reward_timeout_s=0.2")
     asyncio.run(_drive_until(driver, lambda: buffer.stats()["dropped"] == 1))
     assert buffer.stats()["dropped_by_reason"] == {"bad_reward": 1}
     assert task.reward_failures == 1
@@ -329,3 +337,35 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+def exiting_reward(data_source, solution_str, ground_truth, extra_info=None):
+    sys.exit(3)
+
+
+def test_a_reward_that_always_exits_stops_the_run_naming_the_reward_and_the_row():
+    from megatron_rl.models.tiny import build_tokenizer
+
+    cfg = TaskConfig(name="dataset", path=TRL, answer_key="solution", reward="tests.unit.test_driver:exiting_reward")
+    task = make_task(cfg, build_tokenizer())
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(task))
+    driver = _running_driver(buffer, task, StandInEngine(), 1, "task.max_bad_reward_groups_in_a_row=2")
+    with pytest.raises(RewardError) as info:
+        asyncio.run(asyncio.wait_for(driver.run(), 20))  # the SystemExit ended neither a thread nor this process
+    printed = f"megatron-rl train: error: {info.value}"  # what the CLI prints for a UserError
+    assert re.fullmatch(
+        r"megatron-rl train: error: 2 groups in a row had a failed reward \(task.max_bad_reward_groups_in_a_row\); "
+        rf"last: prompt \d: reward 'tests.unit.test_driver:exiting_reward' raised SystemExit: 3 "
+        rf"\(prompt {re.escape(TRL)}:\d\)",
+        printed,
+    ), printed
+    # 2 groups, or 3 when the other worker's group was scored meanwhile (its put may be cancelled by the stop).
+    assert task.reward_failures in (2, 3) and list(buffer.stats()["dropped_by_reason"]) == ["bad_reward"]
+    assert all("SystemExit: 3" in e["error"] for e in task.report()["recent"])
+
+
+def test_driver_scores_evaluation_responses_without_samples():
+    task = CountingTask(bad={1})
+    driver = _running_driver(None, task, StandInEngine(), 0)
+    assert asyncio.run(driver.score(["a", "b"], {"answer": 0})) == [1.0, 1.0]
+    assert math.isnan(asyncio.run(driver.score(["a"], {"answer": 1}))[0]) and task.reward_failures == 1

@@ -1,30 +1,20 @@
-"""Tasks: built-in prompts and rewards (chance level, perfect responses), dataset files with bad rows, dotted-path
-and failing rewards, the data position."""
+"""Tasks: built-in prompts and rewards (chance level, perfect responses), configured and failing rewards through
+`Task.score`/`score_group` (counted, logged with the prompt's source, the group dropped), the data position of a
+generated task. Datasets: test_data.py; reward functions: test_rewards.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import pickle
 import random
-import re
 
 import pytest
 
 from megatron_rl.config import TaskConfig
 from megatron_rl.rollout.buffer import RolloutBuffer
-from megatron_rl.rollout.tasks import (
-    CopyTask,
-    CountTask,
-    DatasetTask,
-    PromptStream,
-    TaskError,
-    encode,
-    extract_answer,
-    load_reward,
-    make_task,
-    math_reward,
-)
+from megatron_rl.rollout.tasks import CopyTask, CountTask, PromptStream, TaskError, make_task
 from megatron_rl.rollout.types import Group, Sample
 
 
@@ -106,46 +96,6 @@ def test_count_task_reward_is_capped(tokenizer):
 
 
 @pytest.mark.parametrize(
-    "response, answer, expected",
-    [
-        ("so the answer is \\boxed{42}.", "42", 1.0),
-        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-        ("3/4 of it, then 0.75", "3/4", 1.0),
-        ("We get 1,234 apples", 1234, 1.0),
-        ("first 5 then 7", "5", 0.0),  # the last number counts
-        ("-3", "#### -3", 1.0),  # GSM8K-style reference
-        ("\\boxed{x+1}", "\\boxed{x + 1}", 1.0),  # non-numeric: compared as text
-        ("\\boxed{x+2}", "x+1", 0.0),
-        ("no number here", "1", 0.0),
-        ("42.0000001", 42, 1.0),
-    ],
-)
-def test_math_reward(response, answer, expected):
-    assert math_reward(response, answer) == expected
-
-
-def test_extract_answer_nested_boxed():
-    assert extract_answer("\\boxed{1} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
-    assert extract_answer("is 7 or 8?") == "8"
-    assert extract_answer("the list 1,2,3") == "3"
-    assert extract_answer("costs 12,345.5 dollars") == "12,345.5"
-
-
-def test_load_reward_dotted_paths():
-    assert load_reward("tests.unit.test_tasks:constant_reward")("x", 1) == 0.5
-    assert load_reward("tests.unit.test_tasks.constant_reward")("x", 1) == 0.5
-    assert load_reward("megatron_rl.rollout.tasks:math_reward")("\\boxed{2}", 2) == 1.0
-    with pytest.raises(TaskError, match="'no_such.module:f': cannot import module 'no_such.module'"):
-        load_reward("no_such.module:f")
-    with pytest.raises(TaskError, match="'tests.unit.test_tasks:missing': module 'tests.unit.test_tasks' has no"):
-        load_reward("tests.unit.test_tasks:missing")
-    with pytest.raises(TaskError, match="'NOT_CALLABLE' is a int, not a function"):
-        load_reward("tests.unit.test_tasks:NOT_CALLABLE")
-    with pytest.raises(TaskError, match="expected 'package.module:function'"):
-        load_reward("justaname")
-
-
-@pytest.mark.parametrize(
     "fn, error",
     [
         ("raising_reward", "raised ZeroDivisionError: boom"),
@@ -160,10 +110,11 @@ def test_failing_rewards_are_caught_counted_and_drop_the_group(tokenizer, fn, er
     (index, record), *_ = buffer.claim_prompts(1)
     samples = [Sample(record["prompt_ids"], [20, 21], [-1.0, -1.0], [0, 0], prompt_index=index) for _ in range(2)]
     for sample in samples:
-        sample.reward = task.score("12", record["answer"], sample)
+        sample.reward = task.score("12", record["answer"], sample, record)
     assert math.isnan(samples[0].reward)
     assert task.reward_failures == 2
-    assert task.report()["recent"][0] == {"prompt_index": index, "error": f"reward {path!r} {error}"}
+    where = f" (prompt {record['source']})"
+    assert task.report()["recent"][0] == {"prompt_index": index, "error": f"reward {path!r} {error}{where}"}
     assert error in samples[0].metadata["reward_error"]
     assert buffer.put_group(Group(index, samples)) is False
     drop = buffer.stats()["recent_drops"][-1]
@@ -175,95 +126,6 @@ def test_score_uses_the_configured_reward(tokenizer):
     task = make_task(TaskConfig(name="copy", reward="tests.unit.test_tasks:constant_reward"), tokenizer)
     assert task.score("anything", "3") == 0.5 and task.reward_failures == 0
     assert make_task(TaskConfig(name="copy"), tokenizer).score("3333", "3") == 0.5
-
-
-def write_rows(tmp_path, fmt: str, rows: list[dict]):
-    if fmt == "jsonl":
-        path = tmp_path / "data.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        path = tmp_path / "data.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-BAD_ROWS = [
-    {"question": "What is 1 + 1?", "solution": "2"},
-    {"question": "", "solution": "3"},  # row 1: empty prompt
-    {"question": "What is 2 + 2?", "solution": None},  # row 2: missing answer
-    {"question": "the " * 40 + "?", "solution": "4"},  # row 3: too long
-    {"question": "What is 5 + 5?", "solution": "10"},
-    {"solution": "11"},  # row 5: no prompt field
-]
-
-
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
-def test_dataset_task_skips_and_counts_bad_rows(tmp_path, tokenizer, fmt):
-    path = write_rows(tmp_path, fmt, BAD_ROWS)
-    cfg = TaskConfig(name=fmt, path=str(path), prompt_key="question", answer_key="solution", max_prompt_tokens=20)
-    task = make_task(cfg, tokenizer, seed=1)
-    assert isinstance(task, DatasetTask) and len(task) == 2
-    assert dict(task.skipped) == {"missing_prompt": 2, "missing_answer": 1, "too_long": 1}
-    where = {(e["file"], e["row"], e["reason"]) for e in task.skipped_log}
-    assert where == {
-        (str(path), 1, "missing_prompt"),
-        (str(path), 2, "missing_answer"),
-        (str(path), 3, "too_long"),
-        (str(path), 5, "missing_prompt"),
-    }
-    assert re.search(r"row 3: \d+ prompt tokens > max_prompt_tokens=20", task.skip_summary())
-    epoch0 = list(task.prompts(0))
-    assert sorted(p["source"] for p in epoch0) == [f"{path}:0", f"{path}:4"]
-    assert {p["answer"] for p in epoch0} == {"2", "10"}
-    assert all(encode(tokenizer, p["prompt"]) == p["prompt_ids"] for p in epoch0)
-    assert task.score("so \\boxed{10}", "10") == 1.0
-    assert task.report()["skipped"] == dict(task.skipped)
-
-
-def test_dataset_task_errors(tmp_path, tokenizer):
-    with pytest.raises(TaskError, match="does not exist"):
-        DatasetTask(tmp_path / "none.jsonl", tokenizer)
-    path = write_rows(tmp_path, "jsonl", BAD_ROWS)
-    with pytest.raises(TaskError, match="no column 'prompt', 'answer'.*set task.prompt_key"):
-        DatasetTask(path, tokenizer)
-    with pytest.raises(TaskError, match="no usable rows out of 6.*row 0"):
-        DatasetTask(path, tokenizer, prompt_key="question", answer_key="solution", max_prompt_tokens=2)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"prompt": "a", "answer": "1"}\n{not json\n')
-    with pytest.raises(TaskError, match="broken.jsonl: cannot read as jsonl"):
-        DatasetTask(broken, tokenizer, fmt="jsonl")
-    with pytest.raises(TaskError, match="cannot tell the format"):
-        DatasetTask(tmp_path / "x.csv", tokenizer)
-    with pytest.raises(TaskError, match="needs task.path"):
-        make_task(TaskConfig(name="jsonl"), tokenizer)
-    # The schema refuses an unknown task name before any task is built; make_task still guards direct callers.
-    from megatron_rl.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match="task.name: must be one of 'count', 'copy', 'jsonl' or 'parquet'"):
-        load_config(None, ["task.name=nope"])
-    with pytest.raises(TaskError, match="task.name='nope' is not a task .*count, jsonl, parquet"):
-        make_task(TaskConfig.model_construct(name="nope", reward=""), tokenizer)
-
-
-def test_prompt_stream_epochs_and_restore(tmp_path, tokenizer):
-    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(5)]
-    task = DatasetTask(write_rows(tmp_path, "jsonl", rows), tokenizer, shuffle_seed=7)
-    stream = PromptStream(task, epochs=2)
-    got = [stream.next() for _ in range(7)]
-    assert [i for i, _ in got] == list(range(7))
-    first, second = [p["source"] for _, p in got[:5]], [p["source"] for _, p in got[5:]]
-    assert sorted(first) == sorted({p["source"] for p in task.prompts(0)})  # each row once per epoch
-    assert first != [p["source"] for p in task.prompts(1)]  # reshuffled per epoch
-    state = json.loads(json.dumps(stream.state_dict()))
-    rest = [stream.next() for _ in range(4)]
-    assert rest[-1] is None and stream.exhausted  # 2 epochs x 5 rows
-    restored = PromptStream(DatasetTask(task.path, tokenizer, shuffle_seed=7), epochs=2)
-    restored.load_state_dict(state)
-    assert [restored.next() for _ in range(4)] == rest
-    assert second == [p["source"] for p in task.prompts(1)][:2]
 
 
 def test_prompt_stream_of_a_generated_task_restores_cheaply(tokenizer):
@@ -296,3 +158,34 @@ def test_reward_failures_are_counted_exactly_from_many_threads_and_the_task_stil
         list(pool.map(lambda _: task.score("x", "y"), range(4000)))
     assert task.reward_failures == 4000
     assert len(pickle.loads(pickle.dumps(task)).reward_failure_log) == 100
+
+
+def exiting_reward(response, answer, sample=None):
+    raise SystemExit(1)
+
+
+def test_score_group_keeps_each_component_and_a_sys_exit_is_a_failed_reward(tokenizer):
+    cfg = TaskConfig(
+        name="count",
+        rewards=[{"fn": "tests.unit.test_tasks:constant_reward", "weight": 2.0}, {"fn": "math_basic"}],
+        length_penalty={"coef": 0.5},
+    )
+    task = make_task(cfg, tokenizer)
+    task.set_response_limit(4)
+    record = next(task.prompts())
+    samples = [Sample(record["prompt_ids"], [5, 6], [-1.0, -1.0], [0, 0], prompt_index=0) for _ in range(2)]
+    rewards = asyncio.run(task.score_group(["8", "no digits"], record, samples))
+    assert rewards == [2.0 * 0.5 + 1.0 - 0.25, 2.0 * 0.5 - 0.25]
+    assert samples[0].metadata["rewards"] == {"constant_reward": 0.5, "math_basic": 1.0, "length_penalty": -0.25}
+    exits = make_task(TaskConfig(name="count", reward="tests.unit.test_tasks:exiting_reward"), tokenizer)
+    assert math.isnan(exits.score("1", 8)) and exits.reward_failures == 1  # and this test process is still here
+    assert "raised SystemExit: 1" in exits.report()["recent"][0]["error"]
+
+
+def test_make_task_errors(tokenizer):
+    with pytest.raises(TaskError, match="task.name='nope' is not a task .*count, dataset, jsonl, parquet"):
+        make_task(TaskConfig.model_construct(name="nope", reward="", rewards=[]), tokenizer)
+    with pytest.raises(TaskError, match=r"task.overlong_penalty: .*buffer_tokens=9 must be in 1..max_tokens=8"):
+        make_task(TaskConfig(overlong_penalty={"buffer_tokens": 9, "max_tokens": 8}), tokenizer)
+    with pytest.raises(TaskError, match="cannot tell how to call it"):
+        make_task(TaskConfig(reward="json:dumps"), tokenizer)

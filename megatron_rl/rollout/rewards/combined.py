@@ -1,0 +1,191 @@
+"""Scoring a group: every reward function of the weighted sum on every response, the length penalties added,
+each component kept per sample, and every way a reward can fail turned into a reason (never an escape).
+
+A sample's reward is `sum(weight x value)` over the functions that returned a number for it (a TRL function may
+return None: "does not apply", as TRL's nansum), plus the penalties (of its token count; responses scored
+without a `Sample`, as in evaluation, get none). A function that raises (`sys.exit` included),
+times out, or returns something other than a finite number or None fails the sample: its reward is NaN and the
+reason names the function and the prompt's source (file and row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from megatron_rl.rollout.rewards.calling import RewardFunction, outcome
+
+
+class RewardFailure(Exception):
+    """One reward call failed; the message says how ("raised ValueError: ...", "timed out after ...")."""
+
+
+def _failure_text(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"raised {type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _guarded_call(fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """(True, value) or (False, why): a reward's SystemExit must not end the thread it runs in, nor escape
+    through the future to the event loop (asyncio re-raises SystemExit out of the loop)."""
+    try:
+        return True, fn(*args, **kwargs)
+    except (Exception, SystemExit) as err:
+        return False, _failure_text(err)
+
+
+async def _guarded_await(awaitable) -> tuple[bool, Any]:
+    try:
+        return True, await awaitable
+    except (Exception, SystemExit) as err:  # CancelledError is not caught: cancelling the driver must work
+        return False, _failure_text(err)
+
+
+class RewardRunner:
+    """Runs reward calls within `timeout_s` each: plain functions in a thread pool (off the event loop), `async`
+    ones on the loop. A call past its time is a failure; its thread cannot be stopped, so the pool is replaced
+    and the stuck thread left to finish on its own."""
+
+    def __init__(self, timeout_s: float, workers: int = 2, field: str = "task.reward_timeout_s"):
+        self.timeout_s, self.workers, self.field = timeout_s, workers, field
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
+        self.replaced_pools = 0
+
+    async def call(self, spec: RewardFunction, args: tuple, kwargs: dict) -> Any:
+        """The function's value; RewardFailure when it raises, exits or times out."""
+        try:
+            if spec.is_async:
+                ok, value = await asyncio.wait_for(_guarded_await(spec.target()(*args, **kwargs)), self.timeout_s)
+            else:
+                loop = asyncio.get_running_loop()
+                future = loop.run_in_executor(self._pool, _guarded_call, spec.target(), args, kwargs)
+                ok, value = await asyncio.wait_for(future, self.timeout_s)
+                if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
+                    ok, value = await asyncio.wait_for(_guarded_await(value), self.timeout_s)
+        except asyncio.TimeoutError:
+            if not spec.is_async:
+                self._replace_pool()
+            raise RewardFailure(f"timed out after {self.field}={self.timeout_s:g} s") from None
+        except (Exception, SystemExit) as err:  # calling an async function may itself raise
+            raise RewardFailure(_failure_text(err)) from None
+        if not ok:
+            raise RewardFailure(value)
+        return value
+
+    def _replace_pool(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="reward")
+        self.replaced_pools += 1
+
+    def shutdown(self) -> None:
+        """Stop taking calls (running ones finish in their threads)."""
+        self._pool.shutdown(wait=False)
+
+
+class InlineRunner:
+    """Runs reward calls in the calling thread, without a time limit (scoring outside the driver)."""
+
+    async def call(self, spec: RewardFunction, args: tuple, kwargs: dict) -> Any:
+        """The function's value; RewardFailure when it raises or exits."""
+        ok, value = _guarded_call(spec.target(), args, kwargs)
+        if ok and inspect.isawaitable(value):
+            ok, value = await _guarded_await(value)
+        if not ok:
+            raise RewardFailure(value)
+        return value
+
+
+@dataclasses.dataclass
+class Scored:
+    """The reward of one sample and what it was made of."""
+
+    reward: float
+    """The weighted sum plus penalties; NaN when a function failed."""
+    components: dict[str, float]
+    """Each function's value (functions that returned None are left out) and each penalty."""
+    info: dict[str, Any]
+    """Extra entries of verl dict results, by function name."""
+    error: str | None = None
+    """Why the reward failed (names the function), else None."""
+
+
+class RewardSet:
+    """The reward functions of a task with their weights, and the length penalties (`shapers`)."""
+
+    def __init__(self, functions: list[RewardFunction], shapers: list[Callable[[int], float]] | None = None):
+        names = [f.name for f in functions]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"reward names must differ, {duplicates} repeat (set task.rewards[].name)")
+        self.functions = functions
+        self.shapers = list(shapers or [])
+
+    @property
+    def names(self) -> list[str]:
+        """Component names: the functions', then the penalties'."""
+        return [f.name for f in self.functions] + [s.name for s in self.shapers]
+
+    async def score(self, responses: list[str], records: list[dict], samples: list[Any], runner) -> list[Scored]:
+        """Score every response (of one prompt's group, or any list of them)."""
+        n = len(responses)
+        values: list[dict[str, float]] = [{} for _ in range(n)]
+        info: list[dict[str, Any]] = [{} for _ in range(n)]
+        errors: list[str | None] = [None] * n
+        for spec in self.functions:
+            results = await self._call(spec, responses, records, samples, runner)
+            for i, (value, extras, error) in enumerate(results):
+                if error is not None and errors[i] is None:
+                    errors[i] = f"reward {spec.source!r} {error}"
+                if value is not None:
+                    values[i][spec.name] = value
+                if extras:
+                    info[i][spec.name] = extras
+        weights = {f.name: f.weight for f in self.functions}
+        scored = []
+        for i in range(n):
+            if errors[i] is None and not values[i]:
+                errors[i] = "every reward function returned None" if len(self.functions) > 1 else (
+                    f"reward {self.functions[0].source!r} returned None"
+                )  # fmt: skip
+            total = sum(weights[name] * v for name, v in values[i].items())
+            components = dict(values[i])
+            tokens = getattr(samples[i], "num_tokens", None)  # responses without a sample (evaluation): no penalty
+            for shaper in self.shapers if tokens is not None else ():
+                penalty = shaper(tokens)
+                components[shaper.name] = penalty
+                total += penalty
+            if errors[i] is not None:
+                where = records[i].get("source")
+                errors[i] += f" (prompt {where})" if where else ""
+                total = float("nan")
+            scored.append(Scored(total, components, info[i], errors[i]))
+        return scored
+
+    async def _call(self, spec: RewardFunction, responses, records, samples, runner) -> list[tuple]:
+        """(value, extras, error) per response for one function."""
+        n = len(responses)
+        calls = spec.arguments(responses, records, samples)
+        results = await asyncio.gather(*(_attempt(runner, spec, args, kwargs) for args, kwargs in calls))
+        if not spec.batched:
+            return [outcome(value) if ok else (None, {}, value) for ok, value in results]
+        ok, got = results[0]
+        if not ok:
+            return [(None, {}, got)] * n
+        if hasattr(got, "tolist"):  # numpy arrays, tensors
+            got = got.tolist()
+        if not isinstance(got, (list, tuple)) or len(got) != n:
+            what = f"{len(got)} values" if isinstance(got, (list, tuple)) else repr(got)[:80]
+            return [(None, {}, f"returned {what} for {n} responses (one value per response expected)")] * n
+        return [outcome(value) for value in got]
+
+
+async def _attempt(runner, spec: RewardFunction, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """(True, value) or (False, why) of one call."""
+    try:
+        return True, await runner.call(spec, args, kwargs)
+    except RewardFailure as err:
+        return False, str(err)
