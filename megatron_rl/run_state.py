@@ -1,11 +1,15 @@
 """Whole-run checkpoints: everything a run needs to continue after a crash, saved every K steps.
 
 `<checkpoint.save_dir>/step_<N>/` holds the trainer's Megatron distributed checkpoint (model, optimizer in the
-layout-independent format, LR scheduler), each rank's RNG state (`trainer/checkpoint.py`), and `run_state.json`: the step (= weight
-version), the rollout buffer's contents, counters and data position. `<save_dir>/latest` names the last complete
-one and is written last, atomically, so a crash while saving leaves the previous checkpoint in charge.
+layout-independent format, LR scheduler), each rank's RNG state (`trainer/checkpoint.py`), `run_state.json`: the
+step (= weight version), the rollout buffer's contents, counters and data position, and `checksums.json` (size
+and SHA-256 of every file, checked before anything is loaded). `save_run_checkpoint` writes it into a hidden
+`.step_<N>.partial/`, fsyncs it, renames it to `step_<N>/`, then moves `<save_dir>/latest` (written atomically)
+and removes all but the last `checkpoint.keep_last`: a crash or a full disk while saving leaves the previous
+checkpoint in charge, and a folder named `step_<N>` is always complete.
 
-Nothing here unpickles: tensors load with `torch.load(weights_only=True)`, the rest is JSON.
+Nothing here runs code from the files: `.metadata` goes through an allow-listed unpickler
+(`parallel/patches/torch_distributed.py`), tensors load with `torch.load(weights_only=True)`, the rest is JSON.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rl.errors import UserError
@@ -20,6 +26,8 @@ from megatron_rl.errors import UserError
 LATEST = "latest"
 RUN_STATE = "run_state.json"
 RUN_STATE_FORMAT = 1
+PARTIAL_SUFFIX = ".partial"
+"""Suffix of the hidden folder a checkpoint is written into before it is renamed to `step_<N>`."""
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +40,11 @@ class ResumeError(UserError, RuntimeError):
 def step_dir(save_dir: str | Path, step: int) -> Path:
     """The folder of the checkpoint taken after `step`."""
     return Path(save_dir) / f"step_{step:08d}"
+
+
+def staging_dir(save_dir: str | Path, step: int) -> Path:
+    """The hidden folder the checkpoint of `step` is written into before it becomes `step_dir`."""
+    return Path(save_dir) / f".{step_dir(save_dir, step).name}{PARTIAL_SUFFIX}"
 
 
 def latest_checkpoint(save_dir: str | Path) -> Path | None:
@@ -65,8 +78,9 @@ def is_due(step: int, interval: int, last_step: int) -> bool:
 
 
 def read_run_state(folder: str | Path) -> dict:
-    """The `run_state.json` of a run checkpoint, checked for its format."""
+    """The `run_state.json` of a run checkpoint, checked against its recorded checksum and for its format."""
     path = Path(folder) / RUN_STATE
+    _check_recorded(Path(folder), RUN_STATE)
     try:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -83,15 +97,156 @@ def write_run_state(folder: str | Path, step: int, buffer_state: dict | None, ex
 
 
 def mark_latest(save_dir: str | Path, folder: str | Path) -> None:
-    """(Rank 0, after every rank finished writing) make `folder` the checkpoint a resume starts from."""
+    """(Rank 0, after every rank finished writing) make `folder` the checkpoint a resume starts from: the files
+    not yet in its `checksums.json` (RNG states, run state) are recorded, and `latest` is replaced durably."""
+    if Path(folder).is_dir():
+        seal_rest(folder)
     write_atomically(Path(save_dir) / LATEST, Path(folder).name + "\n")
 
 
+def seal_rest(folder: str | Path) -> None:
+    """(One process) record the size and SHA-256 of every file of `folder` that `checksums.json` lacks."""
+    from megatron_rl.trainer import checkpoint as ckpt  # torch: this module is imported for `megatron-rl --help`
+
+    folder = Path(folder)
+    known = ckpt.read_checksums(folder) or {}
+    todo = [name for name in ckpt.checkpoint_files(folder) if name not in known]
+    ckpt.write_checksums(folder, known | {name: ckpt.file_digest(folder / name) for name in todo})
+
+
+def _check_recorded(folder: Path, name: str) -> None:
+    """ResumeError when `folder/name` differs from its digest in the folder's `checksums.json` (if recorded)."""
+    from megatron_rl.models.base import CheckpointError  # light, but beside the torch import below
+    from megatron_rl.trainer import checkpoint as ckpt  # torch: this module is imported for `megatron-rl --help`
+
+    try:
+        files = ckpt.read_checksums(folder) or {}
+        problem = ckpt.check_files(folder, files, [name]) if name in files else None
+    except CheckpointError as err:
+        problem = str(err)
+    if problem:
+        raise ResumeError(problem)
+
+
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling and a rename: readers see the old file or the new one."""
+    """Write `text` to `path` through a temporary sibling, fsync it, rename it over `path` and fsync the folder:
+    after a crash (even of the machine) readers see the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as stream:
+        stream.write(text)
+        stream.flush()
+        os.fsync(stream.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def begin_checkpoint(save_dir: str | Path, step: int) -> Path:
+    """(Rank 0, before any rank writes) an empty staging folder for the checkpoint of `step` (a stale one, left by
+    a save that crashed, is removed first); returns it."""
+    staging = staging_dir(save_dir, step)
+    if staging.exists():
+        log.warning("%s: removing a partial checkpoint (a save of step %d that did not finish)", staging, step)
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def commit_checkpoint(save_dir: str | Path, staging: str | Path, step: int, keep_last: int) -> Path:
+    """(Rank 0, after every rank finished writing into `staging`) record the remaining checksums, rename the
+    folder to `step_dir` (an older folder of that name, from a run that was resumed from an earlier step, is
+    replaced), make it `latest`, and remove all but the newest `keep_last` checkpoints (0: keep all); returns it."""
+    save_dir, staging = Path(save_dir), Path(staging)
+    seal_rest(staging)
+    final = step_dir(save_dir, step)
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, final)
+    _fsync_dir(save_dir)
+    write_atomically(save_dir / LATEST, final.name + "\n")
+    prune_checkpoints(save_dir, keep_last)
+    return final
+
+
+def prune_checkpoints(save_dir: str | Path, keep_last: int) -> list[Path]:
+    """Remove the checkpoints of `save_dir` older than its newest `keep_last` ones (0: none), never the one
+    `latest` names; returns the removed folders."""
+    save_dir = Path(save_dir)
+    if keep_last <= 0:
+        return []
+    marker = save_dir / LATEST
+    current = marker.read_text().strip() if marker.exists() else None
+    steps = sorted(p for p in save_dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    removed = [p for p in steps[:-keep_last] if p.name != current]
+    for folder in removed:
+        shutil.rmtree(folder)
+    if removed:
+        log.info("removed %d old checkpoint(s) (checkpoint.keep_last=%d): %s", len(removed), keep_last, removed)
+    return removed
+
+
+def save_run_checkpoint(
+    save_dir: str | Path,
+    step: int,
+    keep_last: int,
+    write_trainer: Callable[[Path], None],
+    buffer_state: Callable[[], dict | None] | None,
+) -> Path:
+    """(Every rank) the whole-run checkpoint of `step`, staged, written and committed (see the module docstring);
+    returns its folder.
+
+    `write_trainer(folder)` writes this rank's trainer state (`Learner.save`); `buffer_state` (rank 0 only, None
+    on the other ranks) returns the buffer's state for `run_state.json`. The ranks agree after each part, so a
+    failure on any rank raises the same CheckpointError on every rank (none waits for a rank that gave up), and
+    that error says which previous checkpoint stays in charge.
+    """
+    from megatron_rl.trainer.checkpoint import agree  # torch: this module is imported for `megatron-rl --help`
+
+    is_rank0 = buffer_state is not None
+    staging = staging_dir(save_dir, step)
+    agree(_attempt(lambda: begin_checkpoint(save_dir, step)) if is_rank0 else None)
+    try:
+        agree(_attempt(lambda: write_trainer(staging)))
+        agree(_attempt(lambda: write_run_state(staging, step, buffer_state())) if is_rank0 else None)
+        agree(_attempt(lambda: seal_rest(staging)) if is_rank0 else None)
+    except UserError as err:
+        if is_rank0:
+            shutil.rmtree(staging, ignore_errors=True)  # the space it took is what a full disk needs back
+        raise type(err)(f"saving the checkpoint of step {step} failed: {err}; {_previous_note(save_dir)}") from None
+    agree(_attempt(lambda: commit_checkpoint(save_dir, staging, step, keep_last)) if is_rank0 else None)
+    return step_dir(save_dir, step)
+
+
+def _attempt(action: Callable[[], object]) -> str | None:
+    """Run `action`; its error as one line (naming the error type unless it is a UserError), or None."""
+    try:
+        action()
+    except UserError as err:
+        return str(err)
+    except Exception as err:  # any failure of this rank's part must reach the other ranks, not strand them
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _previous_note(save_dir: str | Path) -> str:
+    """What a failed save leaves in charge, for its error message."""
+    marker = Path(save_dir) / LATEST
+    if marker.exists():
+        name = marker.read_text().strip()
+        return f"the previous checkpoint {Path(save_dir) / name} is intact and `--resume` continues from it"
+    return "there is no earlier checkpoint of this run"
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml")

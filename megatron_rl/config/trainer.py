@@ -99,6 +99,9 @@ class CheckpointConfig(Section):
     save_interval: int = Field(0, ge=0)
     """Save a whole-run checkpoint (trainer, optimizer, RNG, buffer, data position) every this many steps, and
     after the last one (0: only after the last one)."""
+    keep_last: int = Field(3, ge=0)
+    """Whole-run checkpoints kept in `save_dir`: after each save, all but the newest this many are removed (the one
+    `latest` names never is); 0 keeps every one."""
     resume: bool = False
     """Continue from the latest whole-run checkpoint under `save_dir` (`megatron-rl train --resume`); starts from
     scratch when there is none yet."""

@@ -141,7 +141,12 @@ def test_a_fresh_run_refuses_a_run_folder_in_use_and_a_failed_start_changes_noth
         refuse_used_run_dir(run_dir, resume=False, overwrite=False)
     cfg = load_config(
         "configs/quickstart.yaml",
-        [f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "task.name=jsonl", f"task.path={tmp_path}/no.jsonl"],
+        [
+            f"output_dir={tmp_path}",
+            f"model.hf_path={tmp_path}/tiny",
+            "task.name=jsonl",
+            f"task.path={tmp_path}/no.jsonl",
+        ],
     )
     with pytest.raises(ResumeError):
         run_training(cfg)
@@ -149,3 +154,106 @@ def test_a_fresh_run_refuses_a_run_folder_in_use_and_a_failed_start_changes_noth
         run_training(cfg, overwrite=True)  # the dataset is missing: start-up fails before the folder changes
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (run_dir / "config.yaml").read_text() == "steps: 1\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Staged, durable, pruned checkpoints (one process: the ranks' agreement degenerates to this process's own).
+
+
+def _trainer_part(files: dict[str, bytes]):
+    """A stand-in for `Learner.save`: writes these files into the folder it is given."""
+
+    def write(folder):
+        for name, data in files.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data)
+
+    return write
+
+
+def test_checkpoints_are_staged_committed_and_pruned(tmp_path):
+    from megatron_rl.run_state import prune_checkpoints, save_run_checkpoint, staging_dir
+    from megatron_rl.trainer.checkpoint import read_checksums
+
+    for step in (2, 4, 6):
+        part = _trainer_part({"shard.distcp": b"x" * step, "rng/rank0.pt": b"r"})
+        folder = save_run_checkpoint(tmp_path, step, 2, part, lambda n=step: {"n": n})
+        assert folder == step_dir(tmp_path, step) and latest_checkpoint(tmp_path) == folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004", "step_00000006"]  # keep_last 2
+    assert not staging_dir(tmp_path, 6).exists()
+    recorded = read_checksums(step_dir(tmp_path, 6))
+    assert sorted(recorded) == ["rng/rank0.pt", "run_state.json", "shard.distcp"]
+    assert recorded["shard.distcp"]["bytes"] == 6
+    assert read_run_state(step_dir(tmp_path, 6))["buffer"] == {"n": 6}
+    assert prune_checkpoints(tmp_path, 0) == []  # 0 keeps every one
+    (tmp_path / "latest").write_text("step_00000004\n")  # the one `latest` names is never removed
+    assert prune_checkpoints(tmp_path, 1) == [] and step_dir(tmp_path, 4).exists()
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
+    from megatron_rl.models.base import CheckpointError
+    from megatron_rl.run_state import save_run_checkpoint, staging_dir
+
+    save_run_checkpoint(tmp_path, 2, 3, _trainer_part({"shard.distcp": b"ok"}), lambda: None)
+
+    def full_disk(folder):
+        (folder / "shard.distcp").write_bytes(b"partial")
+        raise OSError(28, "No space left on device", str(folder / "shard.distcp"))
+
+    with pytest.raises(CheckpointError) as caught:
+        save_run_checkpoint(tmp_path, 4, 3, full_disk, lambda: None)
+    message = str(caught.value)
+    assert "saving the checkpoint of step 4 failed" in message and "No space left on device" in message
+    assert f"the previous checkpoint {step_dir(tmp_path, 2)} is intact and `--resume` continues from it" in message
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2)
+    assert not step_dir(tmp_path, 4).exists() and not staging_dir(tmp_path, 4).exists()  # its space given back
+
+
+def test_a_save_killed_midway_leaves_no_step_folder_and_its_leftovers_go_next_time(tmp_path):
+    from megatron_rl.run_state import begin_checkpoint, save_run_checkpoint, staging_dir
+
+    save_run_checkpoint(tmp_path, 2, 3, _trainer_part({"shard.distcp": b"ok"}), lambda: None)
+    begin_checkpoint(tmp_path, 4)
+    (staging_dir(tmp_path, 4) / "stale.distcp").write_bytes(b"from a save that was killed")
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2) and not step_dir(tmp_path, 4).exists()
+    folder = save_run_checkpoint(tmp_path, 4, 3, _trainer_part({"shard.distcp": b"new"}), lambda: None)
+    assert sorted(p.name for p in folder.iterdir()) == ["checksums.json", "run_state.json", "shard.distcp"]
+
+
+def test_a_step_saved_again_after_a_resume_replaces_the_old_folder(tmp_path):
+    from megatron_rl.run_state import save_run_checkpoint
+
+    save_run_checkpoint(tmp_path, 4, 3, _trainer_part({"old.distcp": b"old"}), lambda: None)
+    save_run_checkpoint(tmp_path, 4, 3, _trainer_part({"new.distcp": b"new"}), lambda: None)
+    assert (step_dir(tmp_path, 4) / "new.distcp").exists() and not (step_dir(tmp_path, 4) / "old.distcp").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_run_state_checked_against_its_checksum(tmp_path):
+    from megatron_rl.run_state import save_run_checkpoint
+
+    folder = save_run_checkpoint(tmp_path, 2, 3, _trainer_part({}), lambda: {"groups": []})
+    state = (folder / "run_state.json").read_text()
+    (folder / "run_state.json").write_text(state.replace('"step": 2', '"step": 9'))
+    with pytest.raises(ResumeError, match=r"run_state.json: corrupted \(its SHA-256 differs"):
+        read_run_state(folder)
+
+
+def test_markers_and_run_state_are_written_durably(tmp_path, monkeypatch):
+    """fsync of the new file before its rename, and of the folder after it (a machine crash keeps one of them)."""
+    import os as os_module
+
+    synced: list[str] = []
+    real_fsync = os_module.fsync
+
+    def fsync(fd):
+        synced.append(os_module.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os_module, "fsync", fsync)
+    folder = step_dir(tmp_path, 2)
+    folder.mkdir()
+    write_run_state(folder, 2, None)
+    mark_latest(tmp_path, folder)
+    assert str(folder / ".run_state.json.tmp") in synced and str(folder) in synced
+    assert str(tmp_path / ".latest.tmp") in synced and str(tmp_path) in synced
