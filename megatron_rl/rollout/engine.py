@@ -98,8 +98,8 @@ def _vllm() -> types.SimpleNamespace:
     """The vLLM names the engine uses, imported on first use, inside the engine actor."""
     # Not at the top: the launcher imports this module to make the actor class and must not import vLLM.
     from vllm import AsyncEngineArgs, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.sampling_params import RequestOutputKind  # in the actor only, as above
+    from vllm.v1.engine.async_llm import AsyncLLM  # in the actor only, as above
 
     return types.SimpleNamespace(
         AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=SamplingParams,
