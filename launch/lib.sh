@@ -79,6 +79,25 @@ mrl_is_loopback() {
     [[ "$1" == 127.* || "$1" == localhost || "$1" == ::1 ]]
 }
 
+# The loopback interface's name (IFF_LOOPBACK, 0x8, in /sys/class/net/*/flags), `lo` if none is found.
+mrl_loopback_ifname() {
+    local flags
+    for flags in /sys/class/net/*/flags; do
+        [[ -r "$flags" ]] || continue
+        if (($(<"$flags") & 0x8)); then
+            basename "$(dirname "$flags")"
+            return
+        fi
+    done
+    echo lo
+}
+
+# On one machine, gloo (torch's CPU groups, Megatron's, the weight sync's) binds loopback: unset, it binds the
+# address the host name resolves to, which may be a LAN address. A GLOO_SOCKET_IFNAME already set is kept.
+mrl_loopback_gloo() {
+    [[ -n "${GLOO_SOCKET_IFNAME:-}" ]] || export GLOO_SOCKET_IFNAME=$(mrl_loopback_ifname)
+}
+
 # This node's routable IPv4 address: the one of MRL_IFNAME when set (the interface the cluster network uses),
 # else the first non-loopback address of the host name, else of any interface. Ray registers each node, and
 # the weight-sync senders advertise their stores, under the address the others reach them by, and

@@ -13,7 +13,9 @@
 #
 # Safe defaults: the head binds to loopback (127.0.0.1) unless --node-ip or MRL_BIND_ADDR says otherwise, the
 # dashboard is off (--dashboard turns it on, bound to --dashboard-host, 127.0.0.1 by default), and Ray's token
-# authentication is on (a token is made in ~/.ray/auth_token if there is none; RAY_AUTH_MODE=disabled opts out).
+# authentication is on (a token is made, mode 0600, in RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token if there is none;
+# RAY_AUTH_MODE=disabled opts out). A node on a loopback address (127.x: several nodes on one machine, for
+# tests) takes free ports and binds gloo to loopback.
 #
 # Without --block, `start-*` runs `ray start --block` in the background in its own session, records its pid in
 # the state dir (default /tmp/mrl-ray-$UID, or MRL_RAY_STATE_DIR) and returns once the node is up; `stop` ends
@@ -51,13 +53,29 @@ ray_cmd() {
 
 # Token authentication: a cluster without it runs code for anyone who reaches its ports. `ray start` enables it
 # only when a token already exists, and drivers (the launcher, trainer rank 0) only when RAY_AUTH_MODE=token,
-# so make sure of both. On several nodes the token file must be readable everywhere (a shared home directory,
-# or RAY_AUTH_TOKEN_PATH on a shared filesystem).
+# so make sure of both. The token is made here (Ray's own `get-auth-token --generate` writes it mode 0644, and
+# always to ~/.ray/auth_token, whatever RAY_AUTH_TOKEN_PATH says): 64 hex digits, readable by this user only; an
+# existing token file that others may read is made private. On several nodes the token file must be readable
+# everywhere (a shared home directory, or RAY_AUTH_TOKEN_PATH on a shared filesystem).
 ensure_auth() {
     [[ "${RAY_AUTH_MODE:-token}" == disabled ]] && return 0
     export RAY_AUTH_MODE=token
-    if [[ -z "${RAY_AUTH_TOKEN:-}" && "$1" == head ]] && ! mrl_dry_run; then
-        "${RAY[@]}" get-auth-token --generate >/dev/null 2>&1 || mrl_die "could not create a Ray auth token"
+    [[ -z "${RAY_AUTH_TOKEN:-}" ]] || return 0
+    mrl_dry_run && return 0
+    local token_file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+    if [[ ! -s "$token_file" ]]; then
+        [[ "$1" == head ]] || return 0 # a worker or driver uses the head's token; Ray says so if it has none
+        (
+            umask 077
+            mkdir -p "$(dirname "$token_file")"
+            "$MRL_PYTHON" -c 'import secrets, sys; open(sys.argv[1], "x").write(secrets.token_hex(32))' "$token_file.$$" &&
+                mv -f "$token_file.$$" "$token_file"
+        ) || mrl_die "could not create the Ray auth token $token_file"
+        mrl_log "made a Ray auth token: $token_file (mode 0600)"
+    fi
+    if [[ -O "$token_file" && -n "$(find "$token_file" -perm /077 2>/dev/null)" ]]; then
+        chmod 600 "$token_file" || mrl_die "could not make $token_file private (chmod 600)"
+        mrl_log "made the Ray auth token $token_file private (it was readable by others; mode 0600 now)"
     fi
 }
 
@@ -169,6 +187,7 @@ cmd_start_head() {
         # Ray's CLI replaces a loopback node address by the host's routable one (and then serves on it) unless
         # this (misnamed) switch is off; drivers that join must see it too, which the launchers arrange.
         export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+        mrl_loopback_gloo # the engines' weight-sync groups and vLLM's own
         # Fixed default ports (client server 10001, dashboard agent 52365) collide with other Ray instances on a
         # shared machine; a private single-node head takes free ones.
         has_extra --ray-client-server-port || args+=("--ray-client-server-port=$(mrl_free_port)")
@@ -190,6 +209,11 @@ cmd_start_worker() {
     NODE_IP=${NODE_IP:-${MRL_BIND_ADDR:-}}
     local args=("--address=$head")
     [[ -n "$NODE_IP" ]] && args+=("--node-ip-address=$NODE_IP")
+    if [[ -n "$NODE_IP" ]] && mrl_is_loopback "$NODE_IP"; then
+        # Another node of the same machine (a test cluster) holds the fixed default port already.
+        has_extra --dashboard-agent-listen-port || args+=("--dashboard-agent-listen-port=$(mrl_free_port)")
+        mrl_loopback_gloo
+    fi
     [[ -n "$NUM_GPUS" ]] && args+=("--num-gpus=$NUM_GPUS")
     [[ -n "$NUM_CPUS" ]] && args+=("--num-cpus=$NUM_CPUS")
     ensure_auth worker

@@ -7,8 +7,9 @@
 #   1. a private Ray head on loopback (launch/ray_cluster.sh start-head),
 #   2. the launcher in the background: `megatron-rl train CONFIG ... --ray-address HEAD --external-trainer`
 #      (rollout buffer, vLLM engines, generation driver; writes <output_dir>/<name>/trainer_spec.json),
-#   3. once the spec is there, the trainer: `torchrun --standalone --nproc-per-node WORLD
-#      -m megatron_rl.trainer.loop SPEC` (WORLD = tp * pp * dp of trainer.parallel), output in
+#   3. once the spec is there, the trainer: `python -m megatron_rl.parallel.torchrun --nnodes 1 --nproc-per-node
+#      WORLD --rdzv-endpoint HEAD_ADDR:0 --local-addr HEAD_ADDR -m megatron_rl.trainer.loop SPEC` (torchrun
+#      with its stores bound to that address; WORLD = tp * pp * dp of trainer.parallel), output in
 #      <run_dir>/trainer.log,
 #   4. waits for both; if either fails the other is stopped and the script exits non-zero naming the side; Ray is
 #      stopped on every exit (trap), including Ctrl-C.
@@ -204,7 +205,10 @@ main() {
     # Drivers (launcher, trainer rank 0) must use the same Ray settings as the head: token auth, and on
     # loopback the switch that keeps Ray from swapping 127.0.0.1 for the host's address (see ray_cluster.sh).
     [[ "${RAY_AUTH_MODE:-token}" == disabled ]] || export RAY_AUTH_MODE=token
-    [[ "$node_ip" == 127.* ]] && export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    if mrl_is_loopback "$node_ip"; then
+        export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+        mrl_loopback_gloo # Ray's engines, the launcher and the trainer all inherit it
+    fi
     plan_gpus
     trainer_env
 
@@ -220,8 +224,10 @@ main() {
 
     local launcher=("$MRL_PYTHON" -m megatron_rl.cli train "$CONFIG" "${OVERRIDES[@]}" --ray-address "$address"
         --external-trainer "${LAUNCHER_FLAGS[@]}")
-    local trainer=(env "${TRAINER_ENV[@]}" "$MRL_PYTHON" -m torch.distributed.run --standalone --nnodes 1
-        --nproc-per-node "$MRL_WORLD_SIZE" --max-restarts 0 -m megatron_rl.trainer.loop "$MRL_SPEC")
+    # torchrun whose stores listen on node_ip only (plain torchrun listens on every interface).
+    local trainer=(env "${TRAINER_ENV[@]}" "$MRL_PYTHON" -m megatron_rl.parallel.torchrun --nnodes 1
+        --nproc-per-node "$MRL_WORLD_SIZE" --rdzv-backend c10d --rdzv-endpoint "$node_ip:0" --local-addr "$node_ip"
+        --max-restarts 0 -m megatron_rl.trainer.loop "$MRL_SPEC")
     if mrl_dry_run; then
         mrl_show launcher "${launcher[@]}"
         mrl_show wait-spec "$MRL_SPEC" --timeout "$SPEC_TIMEOUT"

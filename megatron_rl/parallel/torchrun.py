@@ -1,4 +1,10 @@
-"""Launch a module under torchrun on this machine, with a deadline and a clear error when a rank fails."""
+"""Launch a module under torchrun on this machine, with a deadline and a clear error when a rank fails.
+
+`python -m megatron_rl.parallel.torchrun TORCHRUN_ARGS...` is torchrun itself (`torch.distributed.run`) with its
+TCPStore servers bound to the address they are given (`parallel/patches/torch_distributed.py`): the c10d
+rendezvous store to the `--rdzv-endpoint` host, the store the agent shares with its ranks to `--local-addr`.
+Plain torchrun listens on every interface for both. Every launch here and in `launch/` goes through it.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,15 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from megatron_rl.errors import UserError
+
+AGENT_MODULE = "megatron_rl.parallel.torchrun"
+"""`python -m` this: torchrun with bound stores."""
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""Where torch's gloo groups (and Megatron's) bind; unset, gloo binds the address the host name resolves to."""
 
 
 class LaunchError(UserError, RuntimeError):
@@ -19,22 +31,43 @@ class LaunchError(UserError, RuntimeError):
 def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     """The command line that runs `python -m module args` on `nproc` local processes (free port, loopback)."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", AGENT_MODULE,
         "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1",
         "--max-restarts=0", "--monitor-interval=0.5",
         "-m", module, *args,
     ]  # fmt: skip
 
 
+def loopback_interface() -> str:
+    """The name of this machine's loopback network interface (IFF_LOOPBACK in /sys/class/net), `lo` if unknown."""
+    for flags in sorted(Path("/sys/class/net").glob("*/flags")):
+        try:
+            if int(flags.read_text(), 16) & 0x8:
+                return flags.parent.name
+        except (OSError, ValueError):
+            continue
+    return "lo"
+
+
+def loopback_gloo_env(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """`env` with gloo bound to the loopback interface unless it names an interface already: processes of a run
+    on one machine (a local torchrun job, the engines of a local Ray) talk over loopback only."""
+    if not env.get(GLOO_IFNAME_ENV):
+        env[GLOO_IFNAME_ENV] = loopback_interface()
+    return env
+
+
 def worker_env(nproc: int) -> dict[str, str]:
-    """Environment for worker processes: one compute thread each when they would oversubscribe the CPUs."""
+    """Environment for worker processes: one compute thread each when they would oversubscribe the CPUs, and
+    gloo on loopback (they all run on this machine)."""
     env = dict(os.environ)
     threads = max(1, (os.cpu_count() or 1) // nproc)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env["PYTHONUNBUFFERED"] = "1"
     env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    loopback_gloo_env(env)
     return env
 
 
@@ -139,3 +172,32 @@ def _tail(text: str, lines: int = 30) -> str:
 def _save_log(path: str | Path | None, text: str) -> None:
     if path is not None:
         Path(path).write_text(text)
+
+
+NODE_IP_ENV = "MRL_NODE_IP"
+"""This node's address (set per node by launch/node_env.sh): the agent's `--local-addr` when none is given."""
+
+
+def agent_argv(argv: list[str], env: MutableMapping[str, str]) -> list[str]:
+    """torchrun's arguments with `--local-addr` from MRL_NODE_IP when they name none (torchrun's own default is
+    the host's FQDN, whose address may not be the one the cluster network uses)."""
+    head = argv[: argv.index("-m")] if "-m" in argv else argv
+    if env.get(NODE_IP_ENV) and not any(a == "--local-addr" or a.startswith("--local-addr=") for a in head):
+        return [f"--local-addr={env[NODE_IP_ENV]}", *argv]
+    return list(argv)
+
+
+def agent_main(argv: list[str]) -> None:
+    """torchrun (`torch.distributed.run.main`) on `argv` (see `agent_argv`), with its TCPStore servers bound to
+    their host."""
+    from torch.distributed.run import main  # torch: only in the agent, not in every importer of this module
+
+    from megatron_rl.parallel.patches.torch_distributed import apply_torch_patches  # torch: only in the agent
+
+    apply_torch_patches()
+    sys.argv[0] = "torchrun"
+    main(agent_argv(argv, os.environ))
+
+
+if __name__ == "__main__":
+    agent_main(sys.argv[1:])

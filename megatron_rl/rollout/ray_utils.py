@@ -10,6 +10,7 @@ import ray
 from ray._private import ray_constants
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from megatron_rl.parallel.torchrun import loopback_gloo_env
 from megatron_rl.rollout.ray_env import LOCAL_ONLY_ENV
 
 NAMESPACE = "megatron-rl"
@@ -20,7 +21,9 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None, lo
 
     `log_to_driver=False` keeps the actors' output (vLLM's) in Ray's worker logs instead of this console.
     Raises RuntimeError when Ray was imported in cluster mode (`ray_env.prefer_loopback_ray` came too late or
-    not at all): its servers would listen on every interface.
+    not at all): its servers would listen on every interface. The actors it runs (the engines and their vLLM
+    workers) get gloo bound to loopback (GLOO_SOCKET_IFNAME, unless set): a local Ray's actors all run here,
+    and gloo otherwise binds the address the host name resolves to.
     """
     if ray.is_initialized():
         return {"address": ray.get_runtime_context().gcs_address, "temp_dir": temp_dir or ""}
@@ -30,6 +33,7 @@ def start_local_ray(num_cpus: int | None = None, temp_dir: str | None = None, lo
             "prefer_loopback_ray()) before ray is first imported"
         )
     _ray_logs_follow_this_process()
+    loopback_gloo_env(os.environ)  # Ray's worker processes inherit this process's environment
     # Ray's socket paths must stay short: a short folder under /tmp.
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="mrl-ray-", dir="/tmp")
     ray.init(

@@ -84,8 +84,10 @@ def split_srun(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def torchrun_args(command: list[str]) -> list[str]:
-    """The arguments of torch.distributed.run inside a command line."""
-    i = command.index("torch.distributed.run")
+    """The arguments of torchrun inside a command line: the project's agent (`megatron_rl.parallel.torchrun`,
+    torchrun with its stores bound to their host), never plain `torch.distributed.run`."""
+    assert "torch.distributed.run" not in command and "torchrun" not in command, command
+    i = command.index("megatron_rl.parallel.torchrun")
     assert command[i - 1] == "-m"
     return command[i + 1 :]
 
@@ -272,7 +274,9 @@ def test_torchrun_sh_one_node():
     assert "--external-trainer" in launcher and "--resume" in launcher
     trainer = one(cmds, "trainer")
     targs = torchrun_args(trainer)
-    assert "--standalone" in targs and option(targs, "--nproc-per-node") == "2"  # EP2 on 2 processes
+    assert option(targs, "--nnodes") == "1" and option(targs, "--nproc-per-node") == "2"  # EP2 on 2 processes
+    # Its stores on loopback: the rendezvous endpoint (a free port) and the agent's own address.
+    assert option(targs, "--rdzv-endpoint") == "127.0.0.1:0" and option(targs, "--local-addr") == "127.0.0.1"
     assert targs[-3:] == ["-m", "megatron_rl.trainer.loop", "runs/quickstart/trainer_spec.json"]
     assert not [w for w in trainer if w.startswith("CUDA_VISIBLE_DEVICES=")]
     assert one(cmds, "ray-stop")[2] == "stop"
@@ -333,3 +337,47 @@ def test_ray_worker_joins_the_head():
     assert argv[1:] == ["start", "--block", "--address=10.0.0.5:6379", "--num-gpus=8", "--object-store-memory=1"]
     result = run_script(RAY_CLUSTER, ["start-worker", "10.0.0.5"], clean_env())
     assert result.returncode == 2 and "not HEAD_IP:PORT" in result.stderr
+
+
+def _stub_ray(tmp_path: Path) -> Path:
+    """A bin folder whose `ray` only says it started (and then waits), beside a python that can run the
+    script's helpers: ray_cluster.sh for real, without a Ray."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    ray = bin_dir / "ray"
+    ray.write_text('#!/bin/sh\necho "Ray runtime started."\nexec sleep 60\n')
+    ray.chmod(0o755)
+    return bin_dir
+
+
+def test_ray_head_makes_its_token_private(tmp_path):
+    """The token file is made mode 0600 (Ray's own `get-auth-token --generate` wrote 0644), where
+    RAY_AUTH_TOKEN_PATH says; an existing token that others may read is made private."""
+    bin_dir, state = _stub_ray(tmp_path), tmp_path / "state"
+    token = tmp_path / "shared" / "token"
+    env = clean_env(MRL_PYTHON=str(bin_dir / "python"), HOME=str(tmp_path / "home"), RAY_AUTH_TOKEN_PATH=str(token))
+    del env["MRL_DRY_RUN"]
+    for _ in range(2):
+        up = run_script(RAY_CLUSTER, ["start-head", "--state-dir", str(state)], env)
+        assert up.returncode == 0, up.stderr
+        assert run_script(RAY_CLUSTER, ["stop", "--state-dir", str(state)], env).returncode == 0
+        assert oct(token.stat().st_mode & 0o777) == "0o600"
+        assert re.fullmatch(r"[0-9a-f]{64}", token.read_text())
+        token.chmod(0o644)  # a token someone made readable: the next start makes it private again
+    assert "made the Ray auth token" in up.stderr and "private" in up.stderr
+    assert not (tmp_path / "home" / ".ray").exists()  # nothing written where the path does not point
+
+
+def test_agent_binds_the_node_address_it_is_given():
+    from megatron_rl.parallel.torchrun import agent_argv, torchrun_command
+
+    args = ["--nnodes", "2", "-m", "megatron_rl.trainer.loop", "spec.json", "--local-addr=x"]
+    assert agent_argv(args, {"MRL_NODE_IP": "10.0.0.7"}) == ["--local-addr=10.0.0.7", *args]
+    assert agent_argv(["--local-addr", "10.0.0.9", "-m", "m"], {"MRL_NODE_IP": "10.0.0.7"})[:2] == [
+        "--local-addr", "10.0.0.9",
+    ]  # fmt: skip
+    assert agent_argv(args, {}) == args
+    cmd = torchrun_command("m", [], 2)
+    assert cmd[1:3] == ["-m", "megatron_rl.parallel.torchrun"]
+    assert "--rdzv-endpoint=127.0.0.1:0" in cmd and "--local-addr=127.0.0.1" in cmd
