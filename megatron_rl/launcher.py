@@ -200,15 +200,8 @@ def run_training(
     launcher_log = output.to_file(log_dir) if output is not None else None
     spec_path = run_dir / "trainer_spec.json"
     spec_path.unlink(missing_ok=True)  # an external trainer must not start from a previous run's spec
-    resume_from, run_state = resume_point(cfg)
-    hf_path = ensure_model(cfg)
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
-    tokenizer = load_tokenizer(hf_path)
-    task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
-    # Start-up succeeded: only now does the run folder change (a resumed run redoes the steps after its checkpoint).
-    truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
-    (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    cfg, tokenizer, task, resume_from, run_state = prepare_run(cfg, run_dir)
+    hf_path = cfg.model.hf_path
     start = time.perf_counter()
     if ray_address:
         join_ray(ray_address)
@@ -219,12 +212,7 @@ def run_training(
         f"{cfg.rollout.num_engines} engine(s); logs in {log_dir}"
         + (f" (this process: {launcher_log})" if launcher_log else "")
     )
-    buffer = make_buffer_actor(
-        capacity=cfg.buffer.capacity, max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy,
-        prompts=PromptStream(task, cfg.task.epochs), max_requeues=cfg.buffer.max_requeues, name=BUFFER_NAME,
-    )  # fmt: skip
-    if run_state is not None:
-        ray.get(buffer.load_state_dict.remote(run_state["buffer"]), timeout=120)
+    buffer = start_buffer(cfg, task, run_state)
     pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
     job = None
     try:
@@ -260,6 +248,32 @@ def run_training(
     summary = summarize(cfg, run_dir, time.perf_counter() - start, resume_from, outcome, driver, supervisor, task)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
+    """The model (made when asked), tokenizer, task and resume point; then, start-up having succeeded, the run
+    folder's metrics cut to the resumed step (all of them for a fresh run) and its config written.
+    Returns (config with the model's path, tokenizer, task, checkpoint to resume from, its run state)."""
+    resume_from, run_state = resume_point(cfg)
+    hf_path = ensure_model(cfg)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
+    tokenizer = load_tokenizer(hf_path)
+    task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
+    truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
+    (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    return cfg, tokenizer, task, resume_from, run_state
+
+
+def start_buffer(cfg: RunConfig, task, run_state: dict | None):
+    """The rollout buffer actor over the task's prompts, with a resumed run's contents and data position."""
+    buffer = make_buffer_actor(
+        capacity=cfg.buffer.capacity, max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy,
+        prompts=PromptStream(task, cfg.task.epochs), max_requeues=cfg.buffer.max_requeues, name=BUFFER_NAME,
+    )  # fmt: skip
+    if run_state is not None:
+        ray.get(buffer.load_state_dict.remote(run_state["buffer"]), timeout=120)
+    return buffer
 
 
 def trainer_spec(cfg: RunConfig, ray_address: str, pool: EnginePool, run_dir: Path, resume_from: Path | None) -> dict:

@@ -13,8 +13,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from megatron_rl.metrics.pass_at_k import eval_scores
 from megatron_rl.rollout.engine import GenerationRequest
+from megatron_rl.rollout.pass_at_k import eval_scores
 
 EVAL_SEED = 7_777_777
 """Base of the sampled evaluation's seeds: the same prompts get the same seeds at every evaluation."""

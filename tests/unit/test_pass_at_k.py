@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from megatron_rl.metrics.pass_at_k import eval_scores, ks_for, pass_at_k
+from megatron_rl.rollout.pass_at_k import eval_scores, ks_for, pass_at_k
 
 
 def brute_force(passes: list[bool], k: int) -> float:
