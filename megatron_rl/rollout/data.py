@@ -100,7 +100,8 @@ def read_rows(spec: DatasetConfig):
 
     fmt = format_of(spec)
     previous = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity_error()  # its warnings and progress bars would fill the console
+    # Its warnings, progress bars and its own log line of a failure would fill the console; we say what failed.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()
     try:
         if fmt == "hf":

@@ -1,0 +1,102 @@
+"""`megatron-rl train` on bad data and bad reward modules: exit code 2 and one line on stderr naming the file,
+row and column, no traceback, nothing of the run folder's earlier content lost (the errors come before Ray
+starts). A reward that exits on every call stops a run with such a line too: tests/unit/test_driver.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+VERL = str(REPO / "tests" / "fixtures" / "verl_math.parquet")
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+PREFIX = "megatron-rl train: error: "
+
+
+def _base(tmp_path: Path, case: str) -> list[str]:
+    return [
+        "configs/quickstart.yaml", f"output_dir={tmp_path / case}", f"model.hf_path={tmp_path / 'tiny'}",
+        "task.name=dataset",
+    ]  # fmt: skip
+
+
+def _file(tmp_path: Path, name: str, content: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+def test_a_bad_json_row_exits_2_with_one_line_naming_file_line_row_and_column(tmp_path):
+    bad = _file(tmp_path, "bad.jsonl", b'{"prompt": "What is 1 + 1?", "answer": "2"}\n{not json\n')
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", *_base(tmp_path, "run"), f"task.path={bad}"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"{PREFIX}{bad} line 2 (row 1), column 2: not valid JSON: Expecting property name enclosed in double quotes"
+    ], result.stderr[-3000:]
+
+
+def test_every_bad_input_is_one_line_naming_where(tmp_path):
+    latin = _file(tmp_path, "latin1.jsonl", b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    empty = _file(tmp_path, "empty.jsonl", b"")
+    syntax = _file(tmp_path, "syntax_reward.py", b"def compute_score(data_source, solution_str:\n")
+    exits = _file(tmp_path, "exit_reward.py", b"import sys\nsys.exit(4)\n")
+    template = _file(tmp_path, "chat.jinja", TEMPLATE.encode())
+    missing = str(tmp_path / "none.jsonl")
+    verl = [f"task.path={VERL}", f"task.chat_template={template}"]
+    cases = {
+        "missing": ([f"task.path={missing}"], f"dataset file '{missing}' does not exist"),
+        "utf8": (
+            [f"task.path={latin}"],
+            f"{latin} line 1 (row 0), column 16: not UTF-8 text (byte 0xe9); save the file as UTF-8",
+        ),
+        "empty": ([f"task.path={empty}"], f"{empty}: the file is empty (no rows)"),
+        "column": (
+            verl,
+            f"{VERL}: no column 'answer' (columns: data_source, prompt, ability, reward_model, extra_info); set "
+            "task.answer_key (dots reach nested columns, as in reward_model.ground_truth)",
+        ),
+        "dotted": (
+            [*verl, "task.answer_key=reward_model.groundtruth"],
+            f"{VERL} row 0, column 'reward_model': no 'reward_model.groundtruth' in any row (row 0's "
+            "'reward_model' holds keys: style, ground_truth); set task.answer_key",
+        ),
+        "chat": (
+            [f"task.path={VERL}", "task.answer_key=reward_model.ground_truth"],
+            f"{VERL} row 0, column 'prompt': the prompt is chat messages but the tokenizer has no chat template; "
+            "set task.chat_template (a Jinja template or a file holding one)",
+        ),
+        "syntax": (
+            [*verl, "task.answer_key=reward_model.ground_truth", f"task.reward={syntax}:compute_score"],
+            f"reward '{syntax}:compute_score': cannot import '{syntax}': SyntaxError: '(' was never closed "
+            f"({syntax} line 1, column 18)",
+        ),
+        "import_exit": (
+            [*verl, "task.answer_key=reward_model.ground_truth", f"task.reward={exits}:f"],
+            f"reward '{exits}:f': cannot import '{exits}': SystemExit: 4 ({exits} line 2)",
+        ),
+        "no_module": (
+            [*verl, "task.answer_key=reward_model.ground_truth", "task.reward=no_such_rewards:compute_score"],
+            "reward 'no_such_rewards:compute_score': cannot import 'no_such_rewards': ModuleNotFoundError: No "
+            "module named 'no_such_rewards'",
+        ),
+    }
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps([_base(tmp_path, name) + args for name, (args, _) in cases.items()]))
+    cmd = [sys.executable, "-m", "tests.support.train_errors", str(spec)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    for (name, (_, expected)), outcome in zip(cases.items(), outcomes):
+        lines = [line for line in outcome["stderr"].splitlines() if line.strip()]
+        assert outcome["code"] == 2 and lines == [PREFIX + expected], (name, outcome)
+        assert not (tmp_path / name / "quickstart" / "metrics.jsonl").exists()
+    assert not re.search("Traceback", result.stdout + result.stderr)
