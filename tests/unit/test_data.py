@@ -358,3 +358,27 @@ def test_eval_prompts_come_in_file_order_in_the_training_format(tokenizer):
     assert make_eval_prompts(cfg.model_copy(update={"eval_datasets": []}), tokenizer) == []
     task = make_task(cfg, tokenizer)
     assert task.score("\\boxed{3}", records[0]["answer"], record=records[0]) == 1.0
+
+
+def test_the_configs_of_docs_data_md_load_and_score(tmp_path, tokenizer, monkeypatch):
+    import yaml
+
+    from megatron_rl.config.loader import validate
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    (python,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    (tmp_path / "my_rewards.py").write_text(python)
+    configs = [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", text, flags=re.S)]
+    assert len(configs) == 4
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    for data in configs:
+        for reward in data["task"].get("rewards", []):
+            reward["fn"] = reward["fn"].replace("my_rewards.py", str(tmp_path / "my_rewards.py"))
+        if "reward" in data["task"]:
+            data["task"]["reward"] = data["task"]["reward"].replace("my_rewards.py", str(tmp_path / "my_rewards.py"))
+        cfg = validate(data).task
+        task = make_task(cfg, tokenizer)
+        task.set_response_limit(8)
+        _, record = PromptStream(task).next()
+        assert task.score(f"so \\boxed{{{record['answer']}}}", record["answer"], record=record) > 0.9, cfg
+        assert len(make_eval_prompts(cfg, tokenizer)) == (8 if cfg.eval_datasets else 0)
