@@ -263,8 +263,9 @@ class DatasetSource:
     file and row of the first `FAILURE_LOG_SIZE`)."""
 
     def __init__(self, spec: DatasetConfig, tokenizer, max_prompt_tokens: int, chat_template: str = ""):
-        keys = {"prompt_key": spec.prompt_key or "prompt", "answer_key": "answer" if spec.answer_key is None else None}
-        self.spec = spec.model_copy(update={k: v for k, v in keys.items() if v is not None})
+        # A spec outside a TaskConfig has no keys filled in: the task's defaults.
+        answer_key = "answer" if spec.answer_key is None else spec.answer_key
+        self.spec = spec.model_copy(update={"prompt_key": spec.prompt_key or "prompt", "answer_key": answer_key})
         self.path = spec.path
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
