@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Literal
 
@@ -51,6 +52,14 @@ class RunConfig(Section):
     """The task."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """The cluster a production run is planned for."""
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_installed(cls, value: str) -> str:
+        # Checked here, not when the trainer starts logging minutes later; find_spec does not import it.
+        if value and importlib.util.find_spec("wandb") is None:
+            raise ValueError("needs the wandb package: pip install -e .[cpu,wandb] (or leave wandb_project empty)")
+        return value
 
     @field_validator("name")
     @classmethod

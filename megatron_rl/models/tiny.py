@@ -60,11 +60,19 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB):
     return tok
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""A plain `role: content` chat template, so that chat-message datasets work with the tiny models too."""
+
+
 def save_tokenizer(out: Path, vocab_size: int = TINY_VOCAB) -> None:
-    """Write tokenizer.json + tokenizer_config.json that `AutoTokenizer` and vLLM load."""
+    """Write tokenizer.json + tokenizer_config.json (with a chat template) that `AutoTokenizer` and vLLM load."""
     fast = PreTrainedTokenizerFast(
         tokenizer_object=build_tokenizer(vocab_size), bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
 
 

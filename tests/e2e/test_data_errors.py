@@ -69,11 +69,6 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
             f"{VERL} row 0, column 'reward_model': no 'reward_model.groundtruth' in any row (row 0's "
             "'reward_model' holds keys: style, ground_truth); set task.answer_key",
         ),
-        "chat": (
-            [f"task.path={VERL}", "task.answer_key=reward_model.ground_truth"],
-            f"{VERL} row 0, column 'prompt': the prompt is chat messages but the tokenizer has no chat template; "
-            "set task.chat_template (a Jinja template or a file holding one)",
-        ),
         "syntax": (
             [*verl, "task.answer_key=reward_model.ground_truth", f"task.reward={syntax}:compute_score"],
             f"reward '{syntax}:compute_score': cannot import '{syntax}': SyntaxError: '(' was never closed "

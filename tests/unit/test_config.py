@@ -145,3 +145,14 @@ def test_bad_flags_are_usage_errors_not_tracebacks(argv, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_wandb_project_needs_wandb_installed_when_the_config_loads(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"wandb_project: needs the wandb package: pip install -e \.\[cpu,wandb\]"):
+        load_config(None, ["wandb_project=my-project"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
+    assert load_config(None, ["wandb_project=my-project"]).wandb_project == "my-project"

@@ -40,12 +40,15 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(tmp_path_factory):
-    """The tiny checkpoint's tokenizer as `AutoTokenizer` loads it (no chat template of its own)."""
+    """The tiny checkpoint's tokenizer as `AutoTokenizer` loads it, its chat template taken away (as many base
+    models' tokenizers have none)."""
     from megatron_rl.rollout.tasks import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tok")
     save_tokenizer(folder)
-    return load_tokenizer(folder)
+    tok = load_tokenizer(folder)
+    tok.chat_template = None
+    return tok
 
 
 def source(tokenizer, path: str, template: str = TEMPLATE, max_prompt_tokens: int = 256, **keys) -> DatasetSource:

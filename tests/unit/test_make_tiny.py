@@ -20,3 +20,11 @@ def test_no_embedding_row_is_zero(family, tiny_dir):
     else:
         pytest.fail(f"no model.embed_tokens.weight in {folder}")
     assert rows.min() > 0.1, f"embedding row {int(rows.argmin())} has norm {float(rows.min())}"
+
+
+def test_tiny_tokenizer_renders_chat_messages(tiny_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir("qwen3"))
+    text = tok.apply_chat_template([{"role": "user", "content": "2 + 3 ="}], tokenize=False, add_generation_prompt=True)
+    assert text == "user: 2 + 3 =\nassistant: "
