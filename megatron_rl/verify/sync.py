@@ -27,6 +27,8 @@ def run_sync_check(
     engines: int = 2,
     engine_tp: int | list[int] = 1,
     engine_ep: bool = False,
+    engine_dp: int = 1,
+    owner_aware: bool = True,
     syncs: int = 1,
     bucket_mb: float = 64,
     inflight: str = "keep",
@@ -40,8 +42,10 @@ def run_sync_check(
 ) -> dict:
     """Run the check and return the report (the last sync's figures at top level, every sync under `syncs`).
 
-    `engine_tp` may list one size per engine. `kill_engine` (fault injection) kills that engine's actor right
-    before the last sync, which must then fail within `timeout_s` naming it.
+    `engine_tp` may list one size per engine; `engine_ep` turns vLLM's expert parallelism on over each engine's
+    tp x `engine_dp` workers, and `owner_aware` (default) sends each expert only to the workers that host it
+    (else every tensor is broadcast to every worker). `kill_engine` (fault injection) kills that engine's actor
+    right before the last sync, which must then fail within `timeout_s` naming it.
     """
 
     hf_config = read_hf_config(hf_dir)
@@ -57,6 +61,7 @@ def run_sync_check(
             str(hf_dir),
             dtype="float32",
             tensor_parallel=tps[i],
+            data_parallel=engine_dp,
             expert_parallel=engine_ep,
             max_model_len=1024,
             seed=i,
@@ -72,7 +77,7 @@ def run_sync_check(
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
                 "streams": GLOO_STREAMS, "timeout_s": timeout_s, "inflight": inflight, "syncs": syncs, "noise": noise, "batch": batch, "seq": seq,
                 "inflight_requests": inflight_requests, "inflight_tokens": inflight_tokens,
-                "kill_engine": kill_engine,
+                "kill_engine": kill_engine, "owner_aware": owner_aware,
                 "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -80,21 +85,32 @@ def run_sync_check(
             report = json.loads(Path(spec["out"]).read_text())
     finally:
         pool.shutdown()
+    report["engine_dp"] = engine_dp
     return summarize(report, family.name, layout, engines, tps, engine_ep)
 
 
 def summarize(
     report: dict, family: str, layout: ParallelLayout, engines: int, engine_tp: list[int], engine_ep: bool
 ) -> dict:
-    """Top-level figures from the worker's per-sync report."""
+    """Top-level figures from the worker's per-sync report; `received_bytes` is what each engine worker received
+    in the last sync (the plan's own figure per weight-group rank: `planned_received_bytes`), beside the
+    non-expert and expert payload."""
     last = report["syncs"][-1]
     first = report["syncs"][0]
+    plan = report["plan"]
     return {
         "family": family,
         "layout": layout.describe(),
         "engines": engines,
         "engine_tp": engine_tp,
+        "engine_dp": report.get("engine_dp", 1),
         "engine_ep": engine_ep,
+        "owner_aware": plan.get("owner_aware", False),
+        "hosted": plan.get("hosted", {}),
+        "expert_bytes": plan.get("expert_payload_bytes", 0),
+        "non_expert_bytes": plan["payload_bytes"] - plan.get("expert_payload_bytes", 0),
+        "received_bytes": last.get("received_bytes", {}),
+        "planned_received_bytes": plan.get("received_bytes", {}),
         "num_tokens": min(e["tokens"] for e in last["after"].values()),
         "max_abs_logprob_diff": max(e["max"] for e in last["after"].values()),
         "mean_abs_logprob_diff": max(e["mean"] for e in last["after"].values()),

@@ -38,6 +38,10 @@ class TensorSpec:
     dtype: str
     owner: int
     is_expert: bool
+    layer: int | None = None
+    """Global (HF) layer index of an expert tensor, which with `expert` says which engine workers host it."""
+    expert: int | None = None
+    """Global expert index of an expert tensor (None for every other tensor)."""
 
     @property
     def nbytes(self) -> int:
@@ -100,11 +104,27 @@ class BucketSpec:
     nbytes: int
     segments: tuple[Segment, ...] = ()
     """How the bucket travels, in order; empty: in one broadcast of the packed buffer."""
+    receivers: tuple[int, ...] = ()
+    """Weight-group ranks of the engine workers that receive it, each segment sent to each point to point (the
+    expert tensors of an expert-parallel engine go only to the workers that host them); empty: every member, by
+    broadcast."""
+    first_tag: int = 0
+    """Point-to-point tag of its first segment (the others follow on): unique within an update, so each receive
+    matches its send whatever else is in flight, and consecutive tags take turns on the gloo streams."""
 
     @property
     def broadcasts(self) -> tuple[Segment, ...]:
-        """The bucket's broadcasts in order (one segment covering the whole bucket when it has none)."""
+        """The bucket's transfers in order, broadcasts or point-to-point sends (one segment covering the whole
+        bucket when it has none)."""
         return self.segments or (Segment(0, self.nbytes),)
+
+    def tag(self, segment: int) -> int:
+        """The point-to-point tag of the bucket's `segment`-th transfer."""
+        return self.first_tag + segment
+
+    def reaches(self, member: int) -> bool:
+        """Whether weight-group rank `member` receives this bucket."""
+        return not self.receivers or member in self.receivers
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -140,8 +160,9 @@ def tensor_specs(
     specs = []
     for rule in rules.values():
         owner = owner_rank(rule, arch, layout)
+        where = (rule.layer, rule.expert) if rule.is_expert else (None, None)
         for name in rule.hf:
-            specs.append(TensorSpec(name, tuple(shapes[name]), dtypes[name], owner, rule.is_expert))
+            specs.append(TensorSpec(name, tuple(shapes[name]), dtypes[name], owner, rule.is_expert, *where))
     return specs
 
 
@@ -151,40 +172,60 @@ def plan_buckets(
     unpacked_min_bytes: int | None = None,
     layouts: dict[str, str] | None = None,
     places: dict[str, tuple[str, int]] | None = None,
+    receivers: dict[str, tuple[int, ...]] | None = None,
 ) -> list[BucketSpec]:
     """Cut the tensors into buckets of at most `bucket_bytes` payload (a larger tensor gets a bucket of its own).
 
     Order: every non-expert tensor, then every expert tensor; within a pass, owner by owner in rank order, each
-    owner's tensors in the given order. A bucket never mixes owners or passes. With `unpacked_min_bytes`, every
-    tensor of at least that size travels in a broadcast of its own, straight from its memory into its place in
-    the receiver's bucket (see `bucket_segments`); the bucket arrives byte for byte as if it had been packed.
-    `layouts` (HF name -> wire layout, what the engines asked for) lays those tensors out so, each in a
-    broadcast of its own, which an engine may receive straight into its running model. `places` (HF name ->
-    (engine parameter, byte offset) where every engine holds it in that layout) orders such tensors within a
-    bucket as they lie in the engines, and those that lie back to back travel in one broadcast (up to
-    `MERGED_MAX_BYTES`).
+    owner's tensors in the given order. A bucket never mixes owners, passes or receivers. With
+    `unpacked_min_bytes`, every tensor of at least that size travels in a broadcast of its own, straight from its
+    memory into its place in the receiver's bucket (see `bucket_segments`); the bucket arrives byte for byte as
+    if it had been packed. `layouts` (HF name -> wire layout, what the engines asked for) lays those tensors out
+    so, each in a broadcast of its own, which an engine may receive straight into its running model. `places`
+    (HF name -> (engine parameter, byte offset) where every receiving worker holds it in that layout) orders such
+    tensors within a bucket as they lie in the engines, and those that lie back to back travel in one broadcast
+    (up to `MERGED_MAX_BYTES`). `receivers` (HF name -> weight-group ranks of the only workers that need it; a
+    name not in it goes to every member) sends those tensors point to point: a bucket per receiver set is open
+    at once, and each bucket is placed in the plan when it is full, so the plan follows the order in which the
+    owner yields its tensors (the sender holds at most one open bucket per receiver set).
     """
-    layouts, places = layouts or {}, places or {}
+    layouts, places, receivers = layouts or {}, places or {}, receivers or {}
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket size {bucket_bytes} bytes is below the minimum of {ALIGN}")
     buckets: list[BucketSpec] = []
+
+    def close(owner: int, expert_pass: bool, slots: list[Slot], to: tuple[int, ...]) -> None:
+        buckets.append(_bucket(len(buckets), owner, expert_pass, slots, unpacked_min_bytes, places, to))
+
     for expert_pass in (False, True):
         owners = sorted({s.owner for s in specs if s.is_expert == expert_pass})
         for owner in owners:
-            current: list[Slot] = []
-            offset = HEADER_BYTES
+            open_buckets: dict[tuple[int, ...], tuple[list[Slot], int]] = {}  # receivers -> (slots, end)
             for spec in (s for s in specs if s.owner == owner and s.is_expert == expert_pass):
+                to = tuple(receivers.get(spec.name, ()))
+                current, offset = open_buckets.get(to, ([], HEADER_BYTES))
                 start = _align(offset)
                 if current and start + spec.nbytes - HEADER_BYTES > bucket_bytes:
-                    buckets.append(_bucket(len(buckets), owner, expert_pass, current, unpacked_min_bytes, places))
+                    close(owner, expert_pass, current, to)
                     current, start = [], HEADER_BYTES
                 layout = layouts.get(spec.name, "")
                 layout = layout if layout_fits(spec.shape, layout) else ""
                 current.append(Slot(spec.name, spec.shape, spec.dtype, start, spec.nbytes, layout))
-                offset = start + spec.nbytes
-            if current:
-                buckets.append(_bucket(len(buckets), owner, expert_pass, current, unpacked_min_bytes, places))
-    return buckets
+                open_buckets[to] = (current, start + spec.nbytes)
+            for to, (current, _) in open_buckets.items():  # in the order each receiver set first came
+                close(owner, expert_pass, current, to)
+    return _tagged(buckets)
+
+
+def _tagged(buckets: list[BucketSpec]) -> list[BucketSpec]:
+    """The buckets with their point-to-point tags: each sent-to-some bucket's segments numbered on from the last."""
+    tagged, tag = [], 0
+    for bucket in buckets:
+        if bucket.receivers:
+            bucket = dataclasses.replace(bucket, first_tag=tag)
+            tag += len(bucket.broadcasts)
+        tagged.append(bucket)
+    return tagged
 
 
 def _bucket(
@@ -194,13 +235,14 @@ def _bucket(
     slots: list[Slot],
     unpacked_min_bytes: int | None,
     places: dict[str, tuple[str, int]],
+    receivers: tuple[int, ...] = (),
 ) -> BucketSpec:
     slots = _in_engine_order(slots, places)
     end = slots[-1].offset + slots[-1].nbytes
     nbytes = _align(end)
     alone = unpacked_min_bytes is not None or any(slot.layout for slot in slots)
     segments = bucket_segments(slots, nbytes, unpacked_min_bytes, places) if alone else ()
-    return BucketSpec(index, owner, expert_pass, tuple(slots), nbytes, segments)
+    return BucketSpec(index, owner, expert_pass, tuple(slots), nbytes, segments, tuple(receivers))
 
 
 def _in_engine_order(slots: list[Slot], places: dict[str, tuple[str, int]]) -> list[Slot]:
@@ -268,14 +310,23 @@ def _align(offset: int) -> int:
 
 
 def plan_summary(buckets: list[BucketSpec]) -> dict:
-    """Counts and sizes of a plan (what benchmarks and logs print)."""
+    """Counts and sizes of a plan (what benchmarks and logs print): `bytes` and `payload_bytes` count each bucket
+    once, `expert_payload_bytes` the expert tensors' share of the payload, `point_to_point_buckets` the buckets
+    sent only to the workers that host their experts."""
     return {
         "buckets": len(buckets),
         "tensors": sum(len(b.slots) for b in buckets),
         "bytes": sum(b.nbytes for b in buckets),
         "payload_bytes": sum(s.nbytes for b in buckets for s in b.slots),
+        "expert_payload_bytes": sum(s.nbytes for b in buckets if b.is_expert for s in b.slots),
+        "point_to_point_buckets": sum(bool(b.receivers) for b in buckets),
         "senders": len({b.owner for b in buckets}),
     }
+
+
+def received_bytes(buckets: list[BucketSpec], member: int) -> int:
+    """Bytes weight-group rank `member` receives in one update of this plan (headers and alignment included)."""
+    return sum(b.nbytes for b in buckets if b.reaches(member))
 
 
 def plan_to_json(buckets: list[BucketSpec]) -> str:
@@ -294,5 +345,10 @@ def plan_from_json(text: str) -> list[BucketSpec]:
             for s in b["slots"]
         )
         segments = tuple(Segment(**s) for s in b.get("segments", ()))
-        buckets.append(BucketSpec(b["index"], b["owner"], b["is_expert"], slots, b["nbytes"], segments))
+        receivers = tuple(b.get("receivers", ()))
+        buckets.append(
+            BucketSpec(
+                b["index"], b["owner"], b["is_expert"], slots, b["nbytes"], segments, receivers, b.get("first_tag", 0)
+            )
+        )
     return buckets

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from megatron_rl.errors import UserError
 from megatron_rl.trainer.setup import TrainerRank
-from megatron_rl.weights.plan import BucketSpec, plan_summary, plan_to_json
-from megatron_rl.weights.sender import build_plan, send_update
+from megatron_rl.weights.owners import PLACEMENT_KEY, Placement, PlacementError, expert_receivers, hosted_summary
+from megatron_rl.weights.plan import BucketSpec, TensorSpec, plan_buckets, plan_summary, plan_to_json, received_bytes
+from megatron_rl.weights.sender import gather_specs, send_update
 from megatron_rl.weights.transport import (
     GLOO_STREAMS,
     GroupSpec,
@@ -78,6 +79,7 @@ class TrainerWeightSync:
         host: str = "127.0.0.1",
         inflight: str = "keep",
         streams: int = GLOO_STREAMS,
+        owner_aware: bool = True,
     ):
         self.rank = rank
         self.engines = engines
@@ -95,6 +97,17 @@ class TrainerWeightSync:
         """HF name -> where every engine holds it in that layout (see `agreed_wire_places`); the plan follows it."""
         self.plan_json = ""
         """`plan` as the engines take it, made with the plan (3 ms at 135 tensors: not before every send)."""
+        self.owner_aware = owner_aware
+        """Send each expert's tensors only to the engine workers that host it (expert-parallel engines); False:
+        broadcast every tensor to every worker (each drops the experts it does not host)."""
+        self.specs: list[TensorSpec] = []
+        """Every HF tensor the trainer sends, with its owner rank (all-gathered once per `setup`)."""
+        self.placements: dict[int, Placement] = {}
+        """Weight-group rank -> which experts that engine worker hosts, as it published it when joining."""
+        self.receivers: dict[str, tuple[int, ...]] = {}
+        """HF name -> the weight-group ranks it alone goes to (`weights/owners.py`; empty unless owner-aware)."""
+        self._reports: dict[str, dict] = {}
+        """Rank 0: the engines' reports of the last update (what the layouts and places are agreed from)."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -105,10 +118,21 @@ class TrainerWeightSync:
         workers = [f"{e.name}/worker{w}" for e in self.engines for w in range(e.workers)]
         return (f"trainer-rank{sender}", *workers)
 
+    def engine_members(self) -> list[tuple[str, list[int]]]:
+        """(engine name, the weight-group ranks of its workers) for every engine, in group order."""
+        members, offset = [], 1
+        for engine in self.engines:
+            members.append((engine.name, list(range(offset, offset + engine.workers))))
+            offset += engine.workers
+        return members
+
     def setup(self) -> dict:
-        """Plan the buckets, start the senders' stores, and form every weight group with every engine worker."""
+        """Plan the buckets, start the senders' stores, form every weight group with every engine worker, and plan
+        again from the expert placement every worker published there."""
         r = self.rank
         backend = default_backend()
+        self.specs = gather_specs(r.model, r.family, r.arch, r.ctx)
+        self.placements, self.receivers = {}, {}
         self._replan()
         senders = sorted({b.owner for b in self.plan})
         store, address = None, None
@@ -135,7 +159,67 @@ class TrainerWeightSync:
         if self.is_coordinator:
             ray_get_named(futures, self.timeout_s, "joining the weight groups")
         dist.barrier()
-        return {**plan_summary(self.plan), "bucket_bytes": self.bucket_bytes}
+        self._learn_placements()
+        return self.summary()
+
+    def summary(self) -> dict:
+        """The plan's counts and sizes, the experts each worker hosts and the bytes each receives per update."""
+        members = [m for _, ranks in self.engine_members() for m in ranks]
+        return {
+            **plan_summary(self.plan),
+            "bucket_bytes": self.bucket_bytes,
+            "owner_aware": self.owner_aware,
+            "hosted": hosted_summary(self.placements),
+            "received_bytes": {m: received_bytes(self.plan, m) for m in members},
+        }
+
+    def _learn_placements(self) -> None:
+        """(Every rank) read the workers' placements from rank 0's group store, and plan who receives what."""
+        box: list = [None]
+        if self.is_coordinator:
+            try:
+                box = [("ok", self._published_placements())]
+            except (RuntimeError, ValueError) as err:  # told to every rank, so that all fail alike
+                box = [("error", f"{type(err).__name__}: {err}")]
+        dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status != "ok":
+            raise SyncError(f"reading the engines' expert placement: {value}")
+        self.placements = value
+        self._follow_placements()
+
+    def _published_placements(self) -> dict[int, Placement]:
+        """(Rank 0) weight-group rank -> the placement each engine worker published when it joined."""
+        if self.group is None:
+            raise RuntimeError("rank 0 hosts no weight group (it sends nothing), so it cannot read the placements")
+        members = [m for _, ranks in self.engine_members() for m in ranks]
+        placements = {}
+        for member in members:
+            text = self.group.published(PLACEMENT_KEY, member)
+            placements[member] = json.loads(text) if text is not None else None  # unknown: send it everything
+        return placements
+
+    def _follow_placements(self) -> None:
+        """(Every rank) the receivers of every expert tensor from the placements, then the plan."""
+        self.receivers = self._receivers()
+        self._replan()
+
+    def _receivers(self) -> dict[str, tuple[int, ...]]:
+        """The expert tensors' receivers from the placements (none unless owner-aware); SyncError naming the engine
+        whose placement cannot be planned from."""
+        if not self.owner_aware:
+            return {}
+        try:
+            return expert_receivers(self.specs, self.placements, self.engine_members())
+        except PlacementError as err:
+            raise SyncError(str(err)) from None
+
+    def set_owner_aware(self, owner_aware: bool) -> None:
+        """(Every rank, collectively) switch between sending experts to their hosts and broadcasting everything;
+        the layouts and places follow the last update's reports for the new receivers (for benchmarks)."""
+        self.owner_aware = owner_aware
+        self.receivers = self._receivers()
+        self._follow_engines(self._agreed_now() if self.is_coordinator else None, replan=True)
 
     def push(self, version: int) -> dict:
         """Send the current weights as update `version`; returns timing and sizes (rank 0 adds engine reports)."""
@@ -159,54 +243,71 @@ class TrainerWeightSync:
             report["engines"] = ray_get_named(futures, self.timeout_s, f"weight update to version {version}")
         if send_error is not None:
             raise SyncError(f"rank {r.ctx.rank}: {send_error}")
-        agreed = None
         if self.is_coordinator:
-            agreed = (agreed_wire_layouts(report["engines"]), agreed_wire_places(report["engines"]))
-        self._follow_engines(agreed)
+            self._reports = report["engines"]
+        self._follow_engines(self._agreed_now() if self.is_coordinator else None)
         report["seconds"] = time.perf_counter() - start
         return report
 
+    def _agreed_now(self) -> tuple[dict, dict]:
+        """(Rank 0) the layouts and places agreed from the last reports for the current receivers."""
+        reports = self._reports
+        return agreed_wire_layouts(reports, self.receivers), agreed_wire_places(reports, self.receivers)
+
     def _replan(self) -> None:
-        """Build the plan (a collective: every rank) from the current layouts and places, and its JSON."""
-        r = self.rank
+        """Build the plan (on this rank, from the specs every rank holds) from the current layouts, places and
+        receivers, and its JSON."""
         min_bytes = unpacked_min_bytes(default_backend())
-        self.plan = build_plan(
-            r.model, r.family, r.arch, r.ctx, self.bucket_bytes, min_bytes, self.layouts, self.places
-        )
+        self.plan = plan_buckets(self.specs, self.bucket_bytes, min_bytes, self.layouts, self.places, self.receivers)
         self.plan_json = plan_to_json(self.plan)
 
-    def _follow_engines(self, agreed: tuple[dict, dict] | None) -> None:
+    def _follow_engines(self, agreed: tuple[dict, dict] | None, replan: bool = False) -> None:
         """Plan again, on every rank, when the wire layouts or places the engines reported changed (rank 0
-        heard them: `agreed` is (layouts, places) there)."""
+        heard them: `agreed` is (layouts, places) there), or when asked to."""
         box = [agreed]
         dist.broadcast_object_list(box, src=0)
         layouts, places = box[0]
-        if (layouts, places) != (self.layouts, self.places):
+        if replan or (layouts, places) != (self.layouts, self.places):
             self.layouts, self.places = layouts, places
             self._replan()
 
 
-def agreed_wire_layouts(engine_reports: dict[str, dict]) -> dict[str, str]:
-    """HF name -> wire layout, for the tensors that every worker of every engine asked to receive in the same
-    layout (a broadcast reaches them all, so all must take the same bytes); from their update reports."""
-    return _agreed(engine_reports, "wire_layouts")
+def agreed_wire_layouts(
+    engine_reports: dict[str, dict], receivers: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, str]:
+    """HF name -> wire layout, for the tensors that every worker they go to asked to receive in the same layout
+    (a broadcast reaches them all, so all must take the same bytes); from their update reports. `receivers`:
+    the tensors that go only to some workers (by weight-group rank), whom alone they must suit."""
+    return _agreed(engine_reports, "wire_layouts", receivers or {})
 
 
-def agreed_wire_places(engine_reports: dict[str, dict]) -> dict[str, tuple[str, int]]:
-    """HF name -> (parameter, byte offset), for the tensors that every worker of every engine holds at the same
-    place in its wire layout (so that tensors lying back to back there can share a broadcast)."""
-    return {name: tuple(place) for name, place in _agreed(engine_reports, "wire_places").items()}
+def agreed_wire_places(
+    engine_reports: dict[str, dict], receivers: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, tuple[str, int]]:
+    """HF name -> (parameter, byte offset), for the tensors that every worker they go to holds at the same place
+    in its wire layout (so that tensors lying back to back there can share a transfer); `receivers` as above."""
+    places = _agreed(engine_reports, "wire_places", receivers or {})
+    return {name: tuple(place) for name, place in places.items()}
 
 
-def _agreed(engine_reports: dict[str, dict], key: str) -> dict:
-    """The entries of `key` that every worker of every engine reported with the same value."""
+def _agreed(engine_reports: dict[str, dict], key: str, receivers: dict[str, tuple[int, ...]]) -> dict:
+    """The entries of `key` that every reporting worker a tensor goes to reported with the same value.
+
+    Only an optimisation rides on it (a worker that does not take a tensor in the agreed layout or place puts
+    it back into its own from its buffer), so workers whose reports did not come back (vLLM returns only the
+    first data-parallel replica's) are left out."""
     workers = [worker for report in engine_reports.values() for worker in report.get("workers", [])]
     if not workers:
         return {}
-    agreed = dict(workers[0].get(key, {}))
-    for worker in workers[1:]:
-        theirs = worker.get(key, {})
-        agreed = {name: value for name, value in agreed.items() if theirs.get(name) == value}
+    if not receivers or any("member" not in w for w in workers):
+        receivers = {}
+    names = set().union(*(worker.get(key, {}) for worker in workers))
+    agreed = {}
+    for name in names:
+        owners = receivers.get(name)
+        values = [w.get(key, {}).get(name) for w in workers if owners is None or w["member"] in owners]
+        if values and values[0] is not None and all(value == values[0] for value in values):
+            agreed[name] = values[0]
     return agreed
 
 

@@ -126,9 +126,24 @@ class WeightGroup:
         )  # the store now owns the socket
         return store, port
 
+    def _prefix(self) -> dist.PrefixStore:
+        return dist.PrefixStore(f"{_PREFIX}/{self.spec.sender}", self.store)
+
+    def publish(self, key: str, value: str) -> None:
+        """Leave `value` under `key` and this member's rank on the group's store, before `connect`: the sender
+        reads it once everyone joined (`published`). vLLM's `collective_rpc` returns only the first
+        data-parallel replica's answers, so what every worker must tell the trainer goes this way."""
+        self._prefix().set(f"{key}/{self.rank}", value)
+
+    def published(self, key: str, rank: int) -> str | None:
+        """What member `rank` published under `key` (None if it published nothing), after `connect`."""
+        prefix = self._prefix()
+        name = f"{key}/{rank}"
+        return prefix.get(name).decode() if prefix.check([name]) else None
+
     def connect(self) -> WeightGroup:
         """Form the group; blocks until every member joined, or raises naming the members that did not."""
-        prefix = dist.PrefixStore(f"{_PREFIX}/{self.spec.sender}", self.store)
+        prefix = self._prefix()
         prefix.set(f"joined/{self.rank}", self.spec.members[self.rank])
         try:
             # NCCL forms its communicator lazily, at the first collective, where a missing member would block
@@ -167,7 +182,7 @@ class WeightGroup:
 
     def missing_members(self, prefix=None) -> list[str]:
         """Members that have not announced themselves on the store."""
-        prefix = prefix or dist.PrefixStore(f"{_PREFIX}/{self.spec.sender}", self.store)
+        prefix = prefix or self._prefix()
         return [name for r, name in enumerate(self.spec.members) if not prefix.check([f"joined/{r}"])]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
@@ -178,6 +193,20 @@ class WeightGroup:
         opts.rootRank = src
         opts.timeout = self.timeout
         return self.pg.broadcast([tensor], opts)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int):
+        """Start sending `tensor` to group rank `dst` alone; returns the Work to wait on. On gloo the tag also picks
+        the stream (gloo takes context `tag % streams`), so consecutive tags take turns on them."""
+        return self._connected().send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int):
+        """Start receiving into `tensor` what group rank `src` sends with `tag`; returns the Work to wait on."""
+        return self._connected().recv([tensor], src, tag)
+
+    def _connected(self):
+        if self.pg is None:
+            raise TransportError(f"weight group of sender {self.spec.sender}: transfer before connect()")
+        return self.pg
 
     def close(self) -> None:
         """Drop the group (the store stays with its owner)."""

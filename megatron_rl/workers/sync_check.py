@@ -115,8 +115,9 @@ def connect(spec: dict) -> tuple:
         for name, workers in spec["engines"]
     ]
     sync = TrainerWeightSync(
-        rank, handles, spec["bucket_bytes"], spec["timeout_s"], inflight=spec["inflight"], streams=spec["streams"]
-    )
+        rank, handles, spec["bucket_bytes"], spec["timeout_s"], inflight=spec["inflight"], streams=spec["streams"],
+        owner_aware=spec.get("owner_aware", True),
+    )  # fmt: skip
     return rank, handles, sync, sync.setup()
 
 
@@ -143,12 +144,23 @@ def one_sync(rank, handles, sync, spec: dict, version: int, tokens: torch.Tensor
         entry["received_in_place"] = {
             name: sum(w.get("in_place", 0) for w in r["workers"]) for name, r in engines.items()
         }
+        entry["received_bytes"] = received_per_worker(engines)
         entry["after"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
         results = ray.get(inflight, timeout=spec["timeout_s"]) if inflight else None
         entry["inflight"] = summarize_inflight(results, spec["inflight_tokens"]) if results else None
         entry["versions_reported"] = {h.name: ray.get(h.actor.weight_version.remote(), timeout=30) for h in handles}
     dist.barrier()
     return entry
+
+
+def received_per_worker(engine_reports: dict[str, dict]) -> dict[str, int]:
+    """`engine/worker<rank in its weight groups>` -> bytes that worker received in the update (only the workers
+    vLLM returned reports of: the first data-parallel replica's)."""
+    return {
+        f"{name}/worker{w.get('member', i)}": w["bytes"]
+        for name, report in engine_reports.items()
+        for i, w in enumerate(report["workers"])
+    }
 
 
 def check(spec: dict, _startup_s: float) -> None:

@@ -1,6 +1,6 @@
-"""Engine-worker side of a weight sync: join one weight group per trainer sender, receive every bucket of the
-plan in order, and hand the tensors to an in-place loader. Runs inside a vLLM worker process; imports no vLLM
-(the loader it is handed does).
+"""Engine-worker side of a weight sync: join one weight group per trainer sender (publishing which experts this
+worker hosts), receive every bucket of the plan that reaches it in order, and hand the tensors to an in-place
+loader. Runs inside a vLLM worker process; imports no vLLM (the loader it is handed does).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from megatron_rl.parallel.devices import compute_device
 from megatron_rl.weights import buckets as bucket_io
+from megatron_rl.weights.owners import PLACEMENT_KEY, Placement, PlacementError
 from megatron_rl.weights.plan import HEADER_BYTES, BucketSpec, Slot, plan_from_json
 from megatron_rl.weights.transport import GroupSpec, TransportError, WeightGroup, wait
 
@@ -31,16 +32,32 @@ class WeightReceiver:
 
     def __init__(self) -> None:
         self.groups: dict[int, WeightGroup] = {}
+        self.member = 0
+        """This worker's rank in every weight group (0 is the sender)."""
+        self.placement: Placement = None
+        """The expert placement this worker published when it joined (None: it hosts every expert)."""
         self._buffers: list[torch.Tensor] = []
         self._plan_json, self._plan = "", []
 
-    def join(self, groups_json: str, member_rank: int, timeout_s: float) -> dict:
-        """Join every sender's group as `member_rank` (the same rank in each group)."""
-        self.groups = {}
+    def join(self, groups_json: str, member_rank: int, timeout_s: float, placement: Placement = None) -> dict:
+        """Join every sender's group as `member_rank` (the same rank in each group), publishing `placement` (which
+        experts this worker hosts) on each group's store first."""
+        self.groups, self.member, self.placement = {}, member_rank, placement
         for data in json.loads(groups_json):
             spec = GroupSpec.from_dict(data)
-            self.groups[spec.sender] = WeightGroup(spec, member_rank, timeout_s).connect()
-        return {"groups": sorted(self.groups), "rank": member_rank}
+            group = WeightGroup(spec, member_rank, timeout_s)
+            group.publish(PLACEMENT_KEY, json.dumps(placement))
+            self.groups[spec.sender] = group.connect()
+        return {"groups": sorted(self.groups), "rank": member_rank, "placement": placement}
+
+    def check_placement(self, now: Placement) -> None:
+        """PlacementError unless the worker still hosts the experts it published when it joined: the trainer plans
+        each expert's receivers from those (a placement that moved, by EPLB or elastic EP, is refused)."""
+        if now != self.placement:
+            raise PlacementError(
+                f"weight-group rank {self.member}: the expert placement changed since this worker joined the weight "
+                f"groups (published {_brief(self.placement)}, now {_brief(now)}); the sync plans from a fixed one"
+            )
 
     def receive(self, version: int, plan_json: str, loader: InPlaceWeightLoader) -> dict:
         """Receive all buckets of update `version` in plan order; load them; finish the loader.
@@ -52,7 +69,7 @@ class WeightReceiver:
         if not self.groups:
             raise TransportError("receive before joining the weight groups")
         start = time.perf_counter()
-        plan = self._plan_of(plan_json)
+        plan = [bucket for bucket in self._plan_of(plan_json) if bucket.reaches(self.member)]
         buffers = self._buffers_for(max((b.nbytes for b in plan), default=0))
         loader.begin_update()  # a fresh start also after an update that failed half-way
         with bucket_io.leave_a_core_to_transport(buffers[0].device if buffers else "cpu"):
@@ -60,7 +77,8 @@ class WeightReceiver:
         finish_start = time.perf_counter()
         loader.finish()
         end = time.perf_counter()
-        return {"version": version, **stats, "seconds": end - start, "finish_seconds": end - finish_start,
+        return {"version": version, "member": self.member, **stats, "seconds": end - start,
+                "finish_seconds": end - finish_start,
                 "wire_layouts": loader.wire_layouts(), "wire_places": loader.wire_places(),
                 **{f"loader_{k}": v for k, v in loader.timings.items()}}  # fmt: skip
 
@@ -156,8 +174,20 @@ class WeightReceiver:
         for i, segment in enumerate(bucket.broadcasts):
             if targets[i] is None:
                 targets[i] = view[segment.start : segment.end]
-        works = [group.broadcast(target, src=0) for target in targets]
+        if bucket.receivers:  # sent to this worker alone, point to point (it hosts the bucket's experts)
+            works = [group.recv(target, 0, bucket.tag(i)) for i, target in enumerate(targets)]
+        else:
+            works = [group.broadcast(target, src=0) for target in targets]
         return view, works, group, placed, owned
+
+
+def _brief(placement: Placement) -> str:
+    """A placement in a few words, for errors."""
+    if placement is None:
+        return "every expert"
+    layers = placement.get("layers", {})
+    first = min(layers, key=int) if layers else None
+    return f"experts {layers.get(first)} of layer {first} ({len(layers)} layers)" if first else "no layer"
 
 
 def _direct_span(loader: InPlaceWeightLoader, slots: list[Slot]) -> torch.Tensor | None:

@@ -56,11 +56,21 @@ class WeightUpdateExtension:
         return {**self.mrl_weight_loader().describe(), "vllm_patches": applied_vllm_patches()}
 
     def mrl_init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> dict:
-        """Join every trainer sender's weight group as member `rank_offset + this worker's index in the engine`."""
+        """Join every trainer sender's weight group as member `rank_offset + this worker's index in the engine`,
+        publishing which experts this worker hosts (`mrl_expert_placement`) for the trainer's plan."""
         receiver = getattr(self, "_mrl_receiver", None) or WeightReceiver()
         self._mrl_receiver = receiver
+        placement = self.mrl_expert_placement()  # before joining: an engine that moves experts is refused
         self.mrl_weight_loader().prepare()  # memory for the updates, before the first one
-        return receiver.join(groups_json, rank_offset + self.mrl_worker_index(), timeout_s)
+        return receiver.join(groups_json, rank_offset + self.mrl_worker_index(), timeout_s, placement)
+
+    def mrl_expert_placement(self) -> dict | None:
+        """Which global experts this worker hosts per MoE layer, from vLLM's expert maps (None: every expert);
+        PlacementError for an engine whose placement moves (EPLB). See `placement.py`."""
+        # Here, not at the top: it imports vLLM, and the launcher imports this module (module doc).
+        from megatron_rl.weights.engine.placement import expert_placement
+
+        return expert_placement(self.model_runner.get_model(), self.model_runner.vllm_config.parallel_config)
 
     def mrl_worker_index(self) -> int:
         """This worker's index among all workers of its engine: data-parallel replica, then rank within it.
@@ -80,8 +90,11 @@ class WeightUpdateExtension:
         return receiver
 
     def mrl_receive_update(self, version: int, plan_json: str) -> dict:
-        """Receive update `version` (every bucket of the plan) over the weight groups and load it in place."""
-        return self.mrl_weight_receiver().receive(version, plan_json, self.mrl_weight_loader())
+        """Receive update `version` (every bucket of the plan that reaches this worker) over the weight groups and
+        load it in place, once the expert placement is checked to be the one the plan was made from."""
+        receiver = self.mrl_weight_receiver()
+        receiver.check_placement(self.mrl_expert_placement())
+        return receiver.receive(version, plan_json, self.mrl_weight_loader())
 
     def mrl_finish_weight_update(self) -> None:
         """End the current update (see `InPlaceWeightLoader.finish`)."""
@@ -98,3 +111,6 @@ FINISH_WEIGHT_UPDATE = WeightUpdateExtension.mrl_finish_weight_update.__name__
 """RPC: end the current update (after loads made by other RPCs)."""
 DESCRIBE_WEIGHT_LOADER = WeightUpdateExtension.mrl_describe_weight_loader.__name__
 """RPC: the loader's mode and counts, and the vLLM patches applied."""
+EXPERT_PLACEMENT = WeightUpdateExtension.mrl_expert_placement.__name__
+"""RPC: which experts each worker hosts (only the first data-parallel replica's workers answer through
+`collective_rpc`; the sync reads every worker's from the weight groups' stores)."""
