@@ -1,4 +1,7 @@
-"""The main job: the CPU quickstart learns its task; the run's accounting and outputs are checked."""
+"""The main job: the CPU quickstart learns its task; the run's accounting and outputs are checked.
+
+It runs with four PPO mini-batches per batch (AReaL's default): the proximal policy is the batch's start, so the
+clip acts from the second update on, and the run must still learn within the time limit."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_quickstart_learns_within_ten_minutes(tmp_path):
-    cfg = load_config("configs/quickstart.yaml", [f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny"])
+    overrides = [f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "algorithm.ppo_minibatches=4"]
+    cfg = load_config("configs/quickstart.yaml", overrides)
     summary = run_training(cfg)
     run_dir = tmp_path / "quickstart"
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -23,6 +27,11 @@ def test_quickstart_learns_within_ten_minutes(tmp_path):
     best = max(r["reward/mean"] for r in records)
     assert best >= 0.9, [round(r["reward/mean"], 3) for r in records]
     assert summary["wall_seconds"] < 600
+    assert all(r["ppo/updates"] == 4 for r in records)
+    assert max(r["ppo/clip_frac"] for r in records) > 0, "the clip never acted"
+    assert max(r["ppo/ratio_max"] for r in records) > 1
+    assert all(r["guard/skipped_updates"] == 0 for r in records)
+    assert 0 < records[0]["policy/entropy"] < 7  # the vocabulary has 512 tokens: log 512 = 6.2
     # Exactly-once accounting of prompts at the end of the run (run_training also asserts it).
     acc = summary["accounting"]
     assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
@@ -33,6 +42,9 @@ def test_quickstart_learns_within_ten_minutes(tmp_path):
         "is/weight_mean",
         "is/ess",
         "ppo/clip_frac",
+        "policy/entropy",
+        "dynamic/zero_variance_frac",
+        "batch/zero_variance_frac",
         "staleness/histogram",
         "time/trainer_idle_frac",
         "time/engine_idle_frac",
@@ -41,3 +53,40 @@ def test_quickstart_learns_within_ten_minutes(tmp_path):
     ):
         assert key in records[-1], key  # fmt: skip
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == cfg.steps
+
+
+def test_a_few_steps_with_dynamic_sampling_kl_in_the_reward_and_gspo(tmp_path):
+    """The new paths end to end, a few steps only: the reference model's KL subtracted from the rewards, GSPO with
+    two mini-batches, an entropy bonus, dynamic sampling at the buffer (the trainer configures it)."""
+    overrides = [
+        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "steps=4", "algorithm.kl_coef=0.05",
+        "algorithm.kl_in=reward", "algorithm.loss=gspo", "algorithm.ppo_minibatches=2", "algorithm.entropy_coef=0.01",
+        "algorithm.dynamic_sampling=true",
+    ]  # fmt: skip
+    cfg = load_config("configs/quickstart.yaml", overrides)
+    summary = run_training(cfg)
+    records = read_metrics(tmp_path / "quickstart" / "metrics.jsonl")
+    assert len(records) == 4 and summary["accounting"]["consumed"] == 4 * cfg.prompts_per_step
+    for r in records:
+        assert r["ppo/updates"] == 2 and r["guard/skipped_updates"] == 0
+        assert r["kl/reward_penalty_mean"] != 0 and "kl/penalty" not in r
+        assert r["loss/entropy_bonus"] > 0 and r["batch/zero_variance_frac"] == 0  # none reached the trainer
+    dropped = records[-1]["buffer/dropped_by_reason"].get("zero_variance", 0)
+    assert dropped == records[-1]["dynamic/dropped"]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_learns_and_keeps_batches_informative(tmp_path):
+    """Dynamic sampling on the quickstart: it still reaches 0.9; while any group has variance the batches hold
+    only informative groups; at the end (every group solved) the bound lets zero-variance groups through."""
+    overrides = [
+        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "algorithm.dynamic_sampling=true",
+        "algorithm.dynamic_sampling_max_drops=16", "algorithm.ppo_minibatches=4",
+    ]  # fmt: skip
+    summary = run_training(load_config("configs/quickstart.yaml", overrides))
+    records = read_metrics(tmp_path / "quickstart" / "metrics.jsonl")
+    assert max(r["reward/mean"] for r in records) >= 0.9, [round(r["reward/mean"], 3) for r in records]
+    early = [r for r in records if r["reward/mean"] < 0.5]
+    assert early and all(r["batch/zero_variance_frac"] == 0 for r in early)
+    acc = summary["accounting"]
+    assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
