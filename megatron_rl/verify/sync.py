@@ -26,7 +26,7 @@ def run_sync_check(
     layout: ParallelLayout,
     engines: int = 2,
     engine_tp: int | list[int] = 1,
-    engine_ep: bool = False,
+    engine_ep: bool | list[bool] = False,
     engine_dp: int = 1,
     owner_aware: bool = True,
     syncs: int = 1,
@@ -42,8 +42,8 @@ def run_sync_check(
 ) -> dict:
     """Run the check and return the report (the last sync's figures at top level, every sync under `syncs`).
 
-    `engine_tp` may list one size per engine; `engine_ep` turns vLLM's expert parallelism on over each engine's
-    tp x `engine_dp` workers, and `owner_aware` (default) sends each expert only to the workers that host it
+    `engine_tp` may list one size per engine; `engine_ep` (one flag, or one per engine) turns vLLM's expert
+    parallelism on over an engine's tp x `engine_dp` workers, and `owner_aware` (default) sends each expert only to the workers that host it
     (else every tensor is broadcast to every worker). `kill_engine` (fault injection) kills that engine's actor
     right before the last sync, which must then fail within `timeout_s` naming it.
     """
@@ -53,8 +53,9 @@ def run_sync_check(
     check_layout_fits_model(layout, family.arch_from_hf(hf_config, f"{hf_dir}/config.json"))
     ray_info = start_local_ray()
     tps = engine_tp if isinstance(engine_tp, list) else [engine_tp] * engines
-    if len(tps) != engines:
-        raise ValueError(f"engine_tp lists {len(tps)} sizes for {engines} engines")
+    eps = engine_ep if isinstance(engine_ep, list) else [engine_ep] * engines
+    if len(tps) != engines or len(eps) != engines:
+        raise ValueError(f"engine_tp lists {len(tps)} sizes and engine_ep {len(eps)} flags for {engines} engines")
     specs = [
         EngineSpec(
             f"engine-{i}",
@@ -62,7 +63,7 @@ def run_sync_check(
             dtype="float32",
             tensor_parallel=tps[i],
             data_parallel=engine_dp,
-            expert_parallel=engine_ep,
+            expert_parallel=eps[i],
             max_model_len=1024,
             seed=i,
         )
@@ -86,11 +87,11 @@ def run_sync_check(
     finally:
         pool.shutdown()
     report["engine_dp"] = engine_dp
-    return summarize(report, family.name, layout, engines, tps, engine_ep)
+    return summarize(report, family.name, layout, engines, tps, eps if isinstance(engine_ep, list) else engine_ep)
 
 
 def summarize(
-    report: dict, family: str, layout: ParallelLayout, engines: int, engine_tp: list[int], engine_ep: bool
+    report: dict, family: str, layout: ParallelLayout, engines: int, engine_tp: list[int], engine_ep: bool | list
 ) -> dict:
     """Top-level figures from the worker's per-sync report; `received_bytes` is what each engine worker received
     in the last sync (the plan's own figure per weight-group rank: `planned_received_bytes`), beside the

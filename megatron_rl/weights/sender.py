@@ -109,35 +109,61 @@ def _send_buckets(
     version: int,
     buffers: bucket_io.DoubleBuffer | None,
 ) -> int:
-    """Gather (every rank), pack and send (owners) this rank's buckets in plan order; returns bytes sent.
-
-    A tensor may arrive before the bucket it belongs to is next (point-to-point buckets of several receiver sets
-    fill side by side, see `plan_buckets`): it waits in its bucket until that bucket's turn."""
-    bucket_of = {slot.name: i for i, bucket in enumerate(mine) for slot in bucket.slots}
-    pending: list[dict[str, torch.Tensor]] = [{} for _ in mine]
-    following, sent_bytes = 0, 0
+    """Gather (every rank), pack and send (owners) this rank's buckets in plan order; returns bytes sent."""
+    filler = BucketFiller(mine, ctx.rank)
+    sent_bytes = 0
     tensors = itertools.chain(
         iter_hf_tensors(model, family, arch, ctx, experts=False),
         iter_hf_tensors(model, family, arch, ctx, experts=True),
     )
     for name, tensor in tensors:
-        index = bucket_of.get(name)
-        if index is None or index < following:
-            raise RuntimeError(f"rank {ctx.rank}: tensor {name} is not in this rank's plan (or came twice)")
-        pending[index][name] = tensor
-        while following < len(mine) and len(pending[following]) == len(mine[following].slots):
-            sent_bytes += _send_bucket(mine[following], pending[following], group, version, buffers)
-            pending[following] = {}
-            following += 1
-    if following < len(mine):
-        bucket = mine[following]
-        raise RuntimeError(
-            f"rank {ctx.rank}: bucket {bucket.index} was never filled "
-            f"(missing {len(bucket.slots) - len(pending[following])} tensors)"
-        )
+        for bucket, filled in filler.add(name, tensor):
+            sent_bytes += _send_bucket(bucket, filled, group, version, buffers)
+    filler.check_complete()
     if buffers is not None:
         buffers.wait(lambda work: wait(work, "transfer", group))
     return sent_bytes
+
+
+class BucketFiller:
+    """Puts one rank's tensors into its buckets as the gather yields them, and hands the buckets out in plan
+    order, each as soon as it and every bucket before it are full.
+
+    A tensor may come before its bucket's turn (the point-to-point buckets of several receiver sets fill side by
+    side, see `plan_buckets`): it waits in its bucket, so at most one open bucket per receiver set is held."""
+
+    def __init__(self, mine: list[BucketSpec], rank: int):
+        self.mine, self.rank = mine, rank
+        self.bucket_of = {slot.name: i for i, bucket in enumerate(mine) for slot in bucket.slots}
+        self.pending: list[dict[str, torch.Tensor]] = [{} for _ in mine]
+        self.following = 0
+        """Index (in `mine`) of the next bucket to hand out."""
+
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[BucketSpec, dict[str, torch.Tensor]]]:
+        """Take one tensor; return the buckets (with their tensors) that are now ready to send, in order."""
+        index = self.bucket_of.get(name)
+        if index is None or index < self.following or name in self.pending[index]:
+            raise RuntimeError(f"rank {self.rank}: tensor {name} is not in this rank's plan (or came twice)")
+        self.pending[index][name] = tensor
+        ready = []
+        while self.following < len(self.mine) and len(self.pending[self.following]) == len(
+            self.mine[self.following].slots
+        ):
+            ready.append((self.mine[self.following], self.pending[self.following]))
+            self.pending[self.following] = {}
+            self.following += 1
+        return ready
+
+    def held(self) -> int:
+        """Tensors taken but not handed out yet."""
+        return sum(len(p) for p in self.pending)
+
+    def check_complete(self) -> None:
+        """RuntimeError naming the first bucket that never filled."""
+        if self.following < len(self.mine):
+            bucket = self.mine[self.following]
+            missing = len(bucket.slots) - len(self.pending[self.following])
+            raise RuntimeError(f"rank {self.rank}: bucket {bucket.index} was never filled (missing {missing} tensors)")
 
 
 def _send_bucket(

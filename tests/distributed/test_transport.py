@@ -171,3 +171,55 @@ def test_an_nccl_transfer_that_never_completes_is_named_within_the_timeout():
     finishing = _StuckWork(done_after=3)
     wait(finishing, "bucket 4", group)  # completes: no error
     assert finishing.polls == 4
+
+
+def _p2p_member(spec: GroupSpec, rank: int, queue) -> None:
+    """Members publish a value before joining; the sender reads them, then sends each member its own chunks point
+    to point (tags alternate the two streams) around a broadcast to all, everything in flight at once."""
+    try:
+        group = WeightGroup(spec, rank, timeout_s=20)
+        if rank > 0:
+            group.publish("placement", f"hosts-{rank}")
+        group.connect()
+        chunks = {(dst, k): torch.full((1 << 18,), float(10 * dst + k)) for dst in (1, 2) for k in range(3)}
+        everyone = torch.full((1024,), 7.0) if rank == 0 else torch.zeros(1024)
+        works, mine = [], {}
+        for tag, ((dst, k), chunk) in enumerate(chunks.items()):
+            if rank == 0:
+                works.append(group.send(chunk, dst, tag))
+            elif rank == dst:
+                mine[k] = torch.zeros_like(chunk)
+                works.append(group.recv(mine[k], 0, tag))
+            if tag == 2:
+                works.append(group.broadcast(everyone, src=0))
+        for work in works:
+            wait(work, "chunk", group)
+        published = [group.published("placement", r) for r in range(3)] if rank == 0 else []
+        intact = all(torch.equal(t, chunks[(rank, k)]) for k, t in mine.items()) and bool((everyone == 7).all())
+        result: object = (intact, len(mine), published)
+        if rank == 1:  # a receive that no send ever matches fails within the group's timeout, naming the group
+            start = time.monotonic()
+            try:
+                wait(group.recv(torch.zeros(4), 0, 99), "bucket 9", group)
+            except TransportError as err:
+                result = (*result, str(err), time.monotonic() - start)
+        queue.put((rank, result))
+    except Exception as err:  # report to the test process
+        queue.put((rank, f"{type(err).__name__}: {err}"))
+
+
+def test_point_to_point_sends_reach_only_their_member_and_published_values_reach_the_sender():
+    spec = GroupSpec(0, "127.0.0.1", free_port(), ("trainer-rank0", "engine-0/worker0", "engine-0/worker1"), streams=2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_p2p_member, args=(spec, r, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert results[0] == (True, 0, [None, "hosts-1", "hosts-2"]), results
+    assert results[2] == (True, 3, []), results
+    intact, received, published, error, seconds = results[1]
+    assert (intact, received, published) == (True, 3, [])
+    assert "bucket 9 on the weight group of sender 0" in error and seconds < 60, results[1]

@@ -32,6 +32,29 @@ def test_tp2xep2_into_two_engines_one_with_tp2_three_versions_keep_inflight(tiny
     assert any(i["spanning_versions"] for i in report["inflight"]), "no request was in flight during a sync"
 
 
+def test_tp2xep2_into_an_expert_parallel_tp2_engine_and_a_tp1_engine_each_expert_only_to_its_hosts(tiny_dir):
+    """vLLM expert parallelism over engine-0's two workers (each hosts 4 of the 8 experts); engine-1 holds all."""
+    report = run_sync_check(
+        tiny_dir("qwen3_moe"), ParallelLayout(tp=2, ep=2), engines=2, engine_tp=[2, 1], engine_ep=[True, False],
+        syncs=3, inflight_requests=4, inflight="keep", bucket_mb=0.5,
+    )  # fmt: skip
+    _check_parity(report)
+    assert report["max_abs_logprob_diff"] <= 1e-4, report
+    assert report["versions_per_sync"] == [{"engine-0": v, "engine-1": v} for v in (1, 2, 3)]
+    assert report["hosted"] == {"1": "4/8 (linear): [0, 1, 2, 3]", "2": "4/8 (linear): [4, 5, 6, 7]", "3": "all"}
+    # Each expert-parallel worker received the non-expert tensors and its own experts; engine-1 everything.
+    dense, experts = report["non_expert_bytes"], report["expert_bytes"]
+    received = report["received_bytes"]
+    for worker in ("engine-0/worker1", "engine-0/worker2"):
+        assert dense + experts / 2 <= received[worker] <= (dense + experts / 2) * 1.05, received
+    assert received["engine-1/worker3"] >= dense + experts, received
+    # From the second update on, the expert-parallel workers received their experts straight into the model.
+    assert [s["engine-0"] > 0 for s in report["received_in_place_per_sync"]] == [False, True, True], report
+    for inflight in report["inflight"]:
+        assert inflight["requests"] == 4 and inflight["complete"] == 4, report["inflight"]
+    assert any(i["spanning_versions"] for i in report["inflight"]), "no request was in flight during a sync"
+
+
 def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
     report = run_sync_check(
         tiny_dir("qwen3_moe"), ParallelLayout(pp=2), engines=2, syncs=2, inflight_requests=4, inflight="abort"
