@@ -1,15 +1,23 @@
-"""Real faults in a real run: a trainer rank or an engine process is SIGKILLed mid-run.
+"""Real faults in a real run: a trainer rank is SIGKILLed during a checkpoint save, an engine is SIGKILLed or
+SIGSTOPped, the run-control or the buffer actor is SIGKILLed, the disk fills up during a save.
 
-- A dead trainer rank ends the whole job non-zero, in bounded time, with a message that names the rank; `--resume`
-  continues from the last checkpoint, and in `sync` mode the resumed run's losses equal an uninterrupted run's.
-- A dead engine is restarted, brought to the current weights and its prompts re-queued: the run finishes every
-  step, and the buffer's exactly-once accounting holds.
+- A dead trainer rank ends the whole job non-zero, in bounded time, with a message that names the rank; killed
+  during a checkpoint save, `--resume` continues from the previous checkpoint, and in `sync` mode the resumed run's
+  losses equal an uninterrupted run's.
+- A dead or hung (alive, silent) engine is restarted, brought to the current weights and its prompts re-queued:
+  the run finishes every step, the buffer's exactly-once accounting holds, and the restart's reason is logged.
+- A full disk during a save fails the run saying that the previous checkpoint is intact; it is, and resumes.
+- The run-control actor is restarted by Ray with its state: the run finishes. The buffer actor's death stops the
+  run with an error naming it; `--resume` finishes it from the last checkpoint with nothing lost.
+
+Processes are found among the run's own descendants (the launcher starts the run's Ray), never another run's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,12 +73,15 @@ def _trainer_rank(launcher_pid: int, rank: int) -> psutil.Process | None:
     return None
 
 
-def _engine_actor() -> psutil.Process | None:
-    """The Ray actor process of the vLLM engine (Ray titles it `ray::VLLMEngine...`)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if cmdline.startswith("ray::VLLMEngine"):
-            return proc
+def _actor(launcher_pid: int, prefix: str) -> psutil.Process | None:
+    """The Ray actor process of this run titled `prefix` (Ray titles them `ray::VLLMEngine...`, `ray::RunControl...`).
+    Only the run's own processes are looked at: other runs on the machine have actors of the same names."""
+    for proc in _descendants(launcher_pid):
+        try:
+            if " ".join(proc.cmdline()).startswith(prefix):
+                return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return None
 
 
@@ -83,8 +94,20 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss/total"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
-def test_dead_trainer_rank_fails_the_job_and_resume_reproduces_the_losses(tmp_path):
-    """In `sync` mode (with the KL penalty to a frozen reference model, which a resume rebuilds too)."""
+def _latest(save_dir: Path) -> str | None:
+    marker = save_dir / "latest"
+    return marker.read_text().strip() if marker.exists() else None
+
+
+def _saving(save_dir: Path, step: int) -> bool:
+    """Whether the save of `step` has begun (its staging folder, or its step folder before `latest` names it)."""
+    staging, final = save_dir / f".step_{step:08d}.partial", save_dir / f"step_{step:08d}"
+    return staging.exists() or (final.exists() and _latest(save_dir) != final.name)
+
+
+def test_trainer_killed_during_a_save_fails_the_job_and_resumes_from_the_previous_checkpoint(tmp_path):
+    """In `sync` mode (with the KL penalty to a frozen reference model, which a resume rebuilds too): rank 1 is
+    frozen (SIGSTOP) as soon as the save of step 4 has begun, so that the save cannot finish, then SIGKILLed."""
     sync = ["mode=sync", "steps=4", "checkpoint.save_interval=2", "algorithm.kl_coef=0.05"]
     straight = _run(_train_command(tmp_path, "straight", *sync, f"checkpoint.save_dir={tmp_path}/ckpt-straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -97,11 +120,18 @@ def test_dead_trainer_rank_fails_the_job_and_resume_reproduces_the_losses(tmp_pa
     cmd = _train_command(tmp_path, "faulty", *sync, f"checkpoint.save_dir={save_dir}")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: (save_dir / "latest").exists(), 600, "the step-2 checkpoint", proc)
+        _wait_for(lambda: _latest(save_dir) == "step_00000002", 600, "the step-2 checkpoint", proc)
         victim = _trainer_rank(proc.pid, 1)
         assert victim is not None, "trainer rank 1 not found"
+        deadline = time.monotonic() + 600
+        while not _saving(save_dir, 4):
+            assert proc.poll() is None and time.monotonic() < deadline, "the save of step 4 never began"
+            time.sleep(0.02)
+        victim.send_signal(signal.SIGSTOP)  # rank 0 now waits for it in the save's next collective
+        time.sleep(1.0)
+        assert _latest(save_dir) == "step_00000002", "the save of step 4 finished before rank 1 was stopped"
         killed_at = time.monotonic()
-        os.kill(victim.pid, signal.SIGKILL)
+        victim.send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=180)  # bounded: the job must not hang on the dead rank
     finally:
         if proc.poll() is None:
@@ -109,14 +139,16 @@ def test_dead_trainer_rank_fails_the_job_and_resume_reproduces_the_losses(tmp_pa
     assert proc.returncode != 0
     assert time.monotonic() - killed_at < 180
     assert "rank 1" in err and "SIGKILL" in err, err[-3000:]
+    assert _latest(save_dir) == "step_00000002" and not (save_dir / "step_00000004" / "run_state.json").exists()
 
     resumed = _run(cmd + ["--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 4
+    summary = json.loads((tmp_path / "faulty" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"] == str(save_dir / "step_00000002")
     expected, got = _losses(tmp_path / "straight"), _losses(tmp_path / "faulty")
     assert sorted(got) == [1, 2, 3, 4]
     assert got == expected, f"resumed {got} != uninterrupted {expected}"
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000002", "step_00000004"]
 
 
 def test_dead_engine_is_restarted_resynced_and_its_prompts_requeued(tmp_path):
@@ -126,7 +158,7 @@ def test_dead_engine_is_restarted_resynced_and_its_prompts_requeued(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: _steps_logged(run_dir) >= 1, 600, "a trained step", proc)
-        engine = _engine_actor()
+        engine = _actor(proc.pid, "ray::VLLMEngine")
         assert engine is not None, "no ray::VLLMEngine process found"
         engine.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=600)
@@ -148,3 +180,134 @@ def test_dead_engine_is_restarted_resynced_and_its_prompts_requeued(tmp_path):
     records = read_metrics(run_dir / "metrics.jsonl")
     assert records[-1]["sync/resyncs"] >= 1
     assert all(r["version"] == r["step"] for r in records)
+
+
+def _exactly_once(summary: dict, steps: int) -> None:
+    acc = summary["accounting"]  # every prompt produced is consumed, dropped, buffered or in flight
+    assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
+    assert acc["consumed"] == steps * 8
+
+
+def test_hung_engine_is_killed_restarted_and_its_prompts_requeued(tmp_path):
+    """SIGSTOP: the engine is alive but answers nothing; past rollout.hang_timeout_s it is taken for dead."""
+    run_dir = tmp_path / "engine-hang"
+    steps = 6
+    cmd = _train_command(tmp_path, "engine-hang", "mode=async", f"steps={steps}", "rollout.hang_timeout_s=20")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _steps_logged(run_dir) >= 1, 600, "a trained step", proc)
+        engine = _actor(proc.pid, "ray::VLLMEngine")
+        assert engine is not None, "no ray::VLLMEngine process found"
+        engine.send_signal(signal.SIGSTOP)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert not psutil.pid_exists(engine.pid) or engine.status() == psutil.STATUS_ZOMBIE  # killed, not left stopped
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["engine_restarts"] == {"engine-0": 1}
+    (reason,) = summary["engine_restart_reasons"]["engine-0"]
+    assert "hung: answered no health probe" in reason and "rollout.hang_timeout_s" in reason, reason
+    assert "hung: answered no health probe" in (run_dir / "logs" / "launcher.log").read_text()  # the reason logged
+    _exactly_once(summary, steps)
+    assert summary["driver"]["requeued"] == summary["driver"]["engine_failures"]
+    assert all(r["version"] == r["step"] for r in read_metrics(run_dir / "metrics.jsonl"))
+
+
+def test_run_control_actor_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
+    run_dir = tmp_path / "control-fault"
+    steps = 5
+    cmd = _train_command(tmp_path, "control-fault", "mode=async", f"steps={steps}")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _steps_logged(run_dir) >= 2, 600, "two trained steps", proc)
+        control = _actor(proc.pid, "ray::RunControl")
+        assert control is not None, "no ray::RunControl process found"
+        control.send_signal(signal.SIGKILL)
+
+        def restarted() -> bool:
+            again = _actor(proc.pid, "ray::RunControl")
+            return again is not None and again.pid != control.pid
+
+        _wait_for(restarted, 120, "Ray to restart the run control", proc)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    _exactly_once(summary, steps)
+
+
+def test_buffer_actor_death_stops_the_run_clearly_and_resume_finishes_it(tmp_path):
+    """The buffer holds the rollouts (it is checkpointed, not replicated): its death ends the run with an error
+    that names it, and `--resume` continues from the last checkpoint, counting every prompt once."""
+    run_dir, save_dir, steps = tmp_path / "buffer-fault", tmp_path / "ckpt", 4
+    cmd = _train_command(
+        tmp_path, "buffer-fault", "mode=async", f"steps={steps}", "checkpoint.save_interval=2",
+        f"checkpoint.save_dir={save_dir}",
+    )  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _latest(save_dir) == "step_00000002", 600, "the step-2 checkpoint", proc)
+        buffer = _actor(proc.pid, "ray::RolloutBuffer")
+        assert buffer is not None, "no ray::RolloutBuffer process found"
+        killed_at = time.monotonic()
+        buffer.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (tmp_path / "killed-run.stderr").write_text(err)  # kept for a post-mortem
+    assert proc.returncode != 0 and time.monotonic() - killed_at < 300
+    assert "RolloutBuffer" in err or "rollout-buffer" in err, err[-3000:]
+    resumed = _run(cmd + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == str(save_dir / "step_00000002")
+    _exactly_once(summary, steps)  # every step's batch consumed once: nothing lost, nothing trained twice
+    steps_logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    # Step 2's line is missing when the buffer died between its checkpoint and its metrics (trainer/loop.py
+    # logs a step after its weight push, which follows the save).
+    assert steps_logged[-2:] == [3, 4] and set(steps_logged) <= {1, 2, 3, 4}
+
+
+FULL_DISK = """
+mount -t tmpfs -o size="$SIZE_MB"m mrl-full-disk "$SAVE_DIR" || exit 97
+"$@"
+rc=$?
+cp -a "$SAVE_DIR"/. "$COPY_TO"/
+exit $rc
+"""
+"""Run the command with SAVE_DIR on a small tmpfs, in a private mount namespace (`unshare -m`: the mount cannot
+outlive the command nor be seen outside), and copy what it holds to COPY_TO at the end."""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (tmpfs)")
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
+    save_dir, kept = tmp_path / "small-disk", tmp_path / "kept"
+    save_dir.mkdir()
+    kept.mkdir()
+    size_mb = 16  # one checkpoint of the quickstart model (model, optimizer: about 10.5 MB) fits, two do not
+    cmd = _train_command(
+        tmp_path, "full-disk", "mode=sync", "steps=4", "checkpoint.save_interval=2", f"checkpoint.save_dir={save_dir}"
+    )
+    env = {**os.environ, "SIZE_MB": str(size_mb), "SAVE_DIR": str(save_dir), "COPY_TO": str(kept)}
+    full = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", FULL_DISK, "full-disk", *cmd],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    (tmp_path / "full-disk-run.stderr").write_text(full.stderr)  # kept for a post-mortem
+    assert full.returncode not in (0, 97), full.stderr[-3000:]
+    message = full.stderr + full.stdout
+    assert "saving the checkpoint of step 4 failed" in message, message[-3000:]
+    assert f"the previous checkpoint {save_dir}/step_00000002 is intact" in message
+    assert sorted(p.name for p in kept.iterdir()) == ["latest", "step_00000002"]  # the partial one was removed
+    # Usable: a resume from it (on a disk with room) finishes the run.
+    cmd = [w.replace(str(save_dir), str(kept)) for w in cmd]
+    resumed = _run(cmd + ["--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "full-disk" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from"] == str(kept / "step_00000002")
