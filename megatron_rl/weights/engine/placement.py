@@ -38,36 +38,42 @@ def refuse_moving_placement(parallel_config) -> None:
         )
 
 
-def expert_placement(model: torch.nn.Module, parallel_config) -> Placement:
-    """This worker's placement: {"layers": {"<HF layer>": [global experts hosted, by local slot]}, "experts",
-    "ep_rank", "ep_size", "strategy"}, or None when it hosts every expert (no expert parallelism).
+class ExpertMaps:
+    """The expert-parallel MoE layers of a worker's model, found once (a walk over every module), and the
+    placement their maps give now (`placement`), cheap enough to check before every update."""
 
-    Raises PlacementError for a moving placement (`refuse_moving_placement`, and a layer with more physical than
-    logical experts) or an expert layer whose name carries no layer index."""
-    refuse_moving_placement(parallel_config)
-    layers: dict[str, list[int]] = {}
-    about: dict = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, RoutedExperts) or not module.use_ep:
-            continue
-        manager = module.expert_map_manager
-        logical = getattr(module.moe_config, "num_logical_experts", module.global_num_experts)
-        if module.global_num_experts != logical:
-            raise PlacementError(
-                f"{name}: {module.global_num_experts} physical experts for {logical} logical ones (redundant "
-                "experts): their placement moves with EPLB; refused"
-            )
-        match = _LAYER.search(name)
-        if match is None:
-            raise PlacementError(f"{name}: an expert layer whose name has no layer index")
-        layers[match.group(1)] = local_to_global(manager)
-        about = {
-            "experts": module.global_num_experts,
-            "ep_rank": manager.ep_rank,
-            "ep_size": manager.ep_size,
-            "strategy": manager.placement_strategy,
-        }
-    return {**about, "layers": layers} if layers else None
+    def __init__(self, model: torch.nn.Module, parallel_config):
+        refuse_moving_placement(parallel_config)
+        self.layers: list[tuple[str, str, RoutedExperts]] = []
+        """(HF layer index, module name, its RoutedExperts) of every layer under expert parallelism."""
+        for name, module in model.named_modules():
+            if not isinstance(module, RoutedExperts) or not module.use_ep:
+                continue
+            match = _LAYER.search(name)
+            if match is None:
+                raise PlacementError(f"{name}: an expert layer whose name has no layer index")
+            self.layers.append((match.group(1), name, module))
+
+    def placement(self) -> Placement:
+        """This worker's placement: {"layers": {"<HF layer>": [global experts hosted, by local slot]},
+        "experts", "ep_rank", "ep_size", "strategy"}, or None when it hosts every expert (no expert
+        parallelism). PlacementError for a layer with more physical than logical experts (redundant experts,
+        which EPLB moves)."""
+        if not self.layers:
+            return None
+        layers: dict[str, list[int]] = {}
+        for layer, name, module in self.layers:
+            logical = getattr(module.moe_config, "num_logical_experts", module.global_num_experts)
+            if module.global_num_experts != logical:
+                raise PlacementError(
+                    f"{name}: {module.global_num_experts} physical experts for {logical} logical ones (redundant "
+                    "experts): their placement moves with EPLB; refused"
+                )
+            layers[layer] = local_to_global(module.expert_map_manager)
+        manager = self.layers[-1][2].expert_map_manager
+        about = {"experts": self.layers[-1][2].global_num_experts, "ep_rank": manager.ep_rank,
+                 "ep_size": manager.ep_size, "strategy": manager.placement_strategy}  # fmt: skip
+        return {**about, "layers": layers}
 
 
 def local_to_global(manager) -> list[int]:

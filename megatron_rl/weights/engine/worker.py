@@ -67,10 +67,14 @@ class WeightUpdateExtension:
     def mrl_expert_placement(self) -> dict | None:
         """Which global experts this worker hosts per MoE layer, from vLLM's expert maps (None: every expert);
         PlacementError for an engine whose placement moves (EPLB). See `placement.py`."""
-        # Here, not at the top: it imports vLLM, and the launcher imports this module (module doc).
-        from megatron_rl.weights.engine.placement import expert_placement
+        maps = getattr(self, "_mrl_expert_maps", None)
+        if maps is None:
+            # Here, not at the top: it imports vLLM, and the launcher imports this module (module doc).
+            from megatron_rl.weights.engine.placement import ExpertMaps
 
-        return expert_placement(self.model_runner.get_model(), self.model_runner.vllm_config.parallel_config)
+            maps = ExpertMaps(self.model_runner.get_model(), self.model_runner.vllm_config.parallel_config)
+            self._mrl_expert_maps = maps
+        return maps.placement()
 
     def mrl_worker_index(self) -> int:
         """This worker's index among all workers of its engine: data-parallel replica, then rank within it.
