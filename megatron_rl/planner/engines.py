@@ -3,6 +3,8 @@
 - weights: `dtype` bytes each; attention, dense MLPs and vocabulary / engine_tp; routed experts / (engine_tp *
   engine_dp) with `engine_ep`, else / engine_tp (vLLM splits each expert's width); norms, routers and MLA down
   projections whole.
+- weight sync: every engine GPU receives each non-expert tensor whole (vLLM cuts its own shard), and under
+  `engine_ep` only the experts it hosts (1 / (engine_tp * engine_dp) of them, `weights/owners.py`), else all.
 - KV cache room = gpu_memory_utilization * GPU memory - weights - overhead (CUDA graphs, activation peak, NCCL)
   - the weight-sync receive buffers; the tokens it holds: the family's `kv_cache_elements` per token per layer
   (MLA: kv_lora_rank + qk_rope_head_dim, the latent is the same on every TP rank; GQA: 2 * max(1, kv_heads /
@@ -47,6 +49,10 @@ class EnginePlan:
     """Sequences of model.max_sequence_length one replica can hold at once."""
     gpu_memory_bytes: int
     """Memory of one GPU."""
+    sync_bytes_per_gpu: int = 0
+    """Bytes one engine GPU receives per weight sync (each expert only where it is hosted under engine_ep)."""
+    sync_bytes_per_gpu_broadcast: int = 0
+    """The same if every tensor were broadcast to every engine GPU (what engines without engine_ep receive)."""
 
 
 def check_engine_layout(cfg: RunConfig, arch: ModelArch) -> None:
@@ -94,8 +100,15 @@ def plan_engines(cfg: RunConfig, arch: ModelArch) -> EnginePlan:
     room = budget - weights - overhead
     per_token = kv_bytes_per_token(arch, r.engine_tp, dtype_bytes)
     tokens = max(0, room) // per_token
+    everything = dtype_bytes * (whole.tp + whole.replicated + whole.expert)
+    received = (
+        dtype_bytes * (whole.tp + whole.replicated + math.ceil(whole.expert / expert_split))
+        if r.engine_ep
+        else everything
+    )
     return EnginePlan(
         num_engines=r.num_engines, gpus_per_engine=r.engine_tp * r.engine_dp, weight_bytes=weights,
         overhead_bytes=overhead, budget_bytes=budget, kv_cache_bytes=room, kv_bytes_per_token=per_token,
         kv_cache_tokens=tokens, max_sequences=tokens // cfg.model.max_sequence_length, gpu_memory_bytes=memory,
+        sync_bytes_per_gpu=received, sync_bytes_per_gpu_broadcast=everything,
     )  # fmt: skip

@@ -121,6 +121,14 @@ def test_qwen3_30b_a3b_by_hand():
     budget = int(0.85 * 80 * GB)
     assert result.engines.kv_cache_bytes == budget - result.engines.weight_bytes - result.engines.overhead_bytes
     assert result.engines.kv_cache_tokens == result.engines.kv_cache_bytes // 49_152
+    # A weight sync brings every engine GPU each tensor whole (vLLM cuts its shard), every expert included.
+    assert result.engines.sync_bytes_per_gpu == result.engines.sync_bytes_per_gpu_broadcast
+    assert result.engines.sync_bytes_per_gpu == 2 * (tp_part + replicated + expert)
+    # With expert parallelism over the engine's 2 GPUs each holds, and receives, half of the experts whole.
+    ep = plan(load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml", ["rollout.engine_ep=true"]))
+    assert ep.engines.weight_bytes == 2 * (tp_part // 2 + replicated + expert // 2)
+    assert ep.engines.sync_bytes_per_gpu == 2 * (tp_part + replicated + expert // 2)
+    assert ep.engines.sync_bytes_per_gpu_broadcast == result.engines.sync_bytes_per_gpu
 
 
 def test_mla_kv_cache_is_the_latent():
