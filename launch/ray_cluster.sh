@@ -18,7 +18,7 @@
 # tests) takes free ports and binds gloo to loopback.
 #
 # Without --block, `start-*` runs `ray start --block` in the background in its own session, records its pid in
-# the state dir (default /tmp/mrl-ray-$UID, or MRL_RAY_STATE_DIR) and returns once the node is up; `stop` ends
+# the state dir (default /tmp/mrl-ray-$UID, under Slurm /tmp/mrl-ray-$UID-JOB-NODE, or MRL_RAY_STATE_DIR) and returns once the node is up; `stop` ends
 # exactly that process group. It never runs `ray stop`, which would kill every Ray node of the machine,
 # including other users' and other runs'. With --block (under `srun`), it stays in the foreground: ending the
 # step ends the node.
@@ -32,7 +32,12 @@ MRL_REPO=${MRL_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 # shellcheck source=launch/lib.sh
 source "$MRL_REPO/launch/lib.sh"
 
-STATE_DIR=${MRL_RAY_STATE_DIR:-/tmp/mrl-ray-$(id -u)}
+# One per node and job under Slurm: several nodes of a job may share a machine, and several jobs a node.
+if [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURMD_NODENAME:-}" ]]; then
+    STATE_DIR=${MRL_RAY_STATE_DIR:-/tmp/mrl-ray-$(id -u)-$SLURM_JOB_ID-$SLURMD_NODENAME}
+else
+    STATE_DIR=${MRL_RAY_STATE_DIR:-/tmp/mrl-ray-$(id -u)}
+fi
 TIMEOUT=${MRL_RAY_TIMEOUT_S:-300}
 
 usage() {
@@ -192,6 +197,8 @@ cmd_start_head() {
         # shared machine; a private single-node head takes free ones.
         has_extra --ray-client-server-port || args+=("--ray-client-server-port=$(mrl_free_port)")
         has_extra --dashboard-agent-listen-port || args+=("--dashboard-agent-listen-port=$(mrl_free_port)")
+        # Ray starts a dashboard process on 8265 even with --include-dashboard=false.
+        [[ "$DASHBOARD" == 1 ]] || has_extra --dashboard-port || args+=("--dashboard-port=$(mrl_free_port)")
     fi
     ensure_auth head
     launch_node head "$BLOCK" "${args[@]}" "${EXTRA[@]}"
