@@ -40,6 +40,24 @@ def test_weight_sync_bench_reports_sync_and_plain_broadcast():
     assert result["engine_side"] and all(phase["seconds"] > 0 for phase in result["engine_side"])
 
 
+@pytest.mark.slow
+def test_weight_sync_bench_ep_case_reports_each_workers_bytes_beside_the_broadcasts():
+    result = run_bench(
+        "weight_sync.py", "--layers", "2", "--hidden", "256", "--bucket-mb", "1", "--repeats", "2", "--engine-ep"
+    )
+    ep = result["ep"]
+    assert result["engine_tp"] == ep["ep_size"] == 2 and result["engine_ep"] is True
+    assert ep["syncs_each"] == 2 and all(len(v) == 2 for v in ep["all_seconds"].values())
+    assert ep["time_ratio"] == pytest.approx(ep["owner_aware_seconds"] / ep["broadcast_seconds"], rel=1e-2)
+    assert ep["non_expert_bytes"] + ep["expert_bytes"] == result["bytes"]
+    share = ep["non_expert_bytes"] + ep["expert_bytes"] / 2
+    assert ep["bound_bytes"] == int(share * 1.05) and ep["within_bound"] is True
+    assert set(ep["received_bytes_owner_aware"]) == set(ep["received_bytes_broadcast"]) == {"1", "2"}
+    for worker, received in ep["received_bytes_owner_aware"].items():
+        assert share <= received <= ep["bound_bytes"]  # its own experts, and every non-expert tensor
+        assert ep["received_bytes_broadcast"][worker] >= result["bytes"]  # everything
+
+
 def test_convert_bench_reports_conversion_and_plain_read_write():
     result = run_bench("convert.py", "--layers", "2", "--hidden", "256", "--experts", "4")
     assert result["layout"].startswith("tp2") and "ep2" in result["layout"]
