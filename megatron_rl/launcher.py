@@ -17,7 +17,9 @@ from pathlib import Path
 import ray
 
 from megatron_rl.config import RunConfig, dump_config
+from megatron_rl.errors import UserError
 from megatron_rl.metrics.console import LOGS_DIR, Console, MetricsFollower, ThirdPartyOutput, collect_ray_logs
+from megatron_rl.metrics.evals import EVAL_FILE
 from megatron_rl.metrics.logger import read_metrics
 from megatron_rl.metrics.plots import plot_report, plot_reward_curve
 from megatron_rl.models.tiny import make_tiny
@@ -27,10 +29,11 @@ from megatron_rl.rollout.buffer import make_buffer_actor
 from megatron_rl.rollout.control import CALL_TIMEOUT_S, CONTROL_NAME, make_control_actor
 from megatron_rl.rollout.driver import GenerationDriver, GenerationError, mode_lag
 from megatron_rl.rollout.engine import EngineSpec
+from megatron_rl.rollout.evaluation import EvalRunner, Evaluator, generated_eval_prompts
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.ray_utils import join_ray, start_local_ray
 from megatron_rl.rollout.supervisor import EngineSupervisor
-from megatron_rl.rollout.tasks import PromptStream, load_tokenizer, make_task
+from megatron_rl.rollout.tasks import BUILTIN_TASKS, PromptStream, load_tokenizer, make_eval_prompts, make_task
 from megatron_rl.run_state import (
     ResumeError,
     latest_checkpoint,
@@ -231,7 +234,14 @@ def run_training(
             hang_timeout_s=cfg.rollout.hang_timeout_s, restart_timeout_s=cfg.rollout.restart_timeout_s,
         )  # fmt: skip
         follower = MetricsFollower(run_dir / "metrics.jsonl", cfg.steps, console)
-        asyncio.run(_drive(driver, supervisor, job, on_poll=follower.poll))
+        evaluation = eval_runner(cfg, task, tokenizer, driver, run_dir, console)
+
+        def on_poll() -> None:
+            follower.poll()
+            if evaluation is not None:
+                evaluation.poll(driver.trainer_version)
+
+        asyncio.run(_drive(driver, supervisor, job, on_poll=on_poll))
         follower.poll()
         job.check()
         outcome = {
@@ -263,6 +273,24 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     return cfg, tokenizer, task, resume_from, run_state
+
+
+def eval_runner(cfg: RunConfig, task, tokenizer, driver, run_dir: Path, console: Console) -> EvalRunner | None:
+    """The evaluations of the run (`eval.interval`; None without): the validation datasets' prompts
+    (`task.eval_datasets`), or a generated task's held-out prompts, scored by the training reward."""
+    if not cfg.eval.interval:
+        return None
+    limit = cfg.eval.max_prompts
+    prompts = make_eval_prompts(cfg.task, tokenizer)[:limit] if cfg.task.eval_datasets else None
+    if prompts is None:
+        prompts = generated_eval_prompts(task, limit or 32) if isinstance(task, tuple(BUILTIN_TASKS.values())) else []
+    if not prompts:
+        raise UserError(
+            "eval.interval is set but there is nothing to evaluate on: give task.eval_datasets (see docs/data.md)"
+        )
+    (run_dir / EVAL_FILE).unlink(missing_ok=True)  # an earlier run's results
+    evaluator = Evaluator(driver.engines, driver.down, prompts, tokenizer, driver.score, cfg.eval, cfg.rollout)
+    return EvalRunner(evaluator, run_dir / EVAL_FILE, cfg.steps, cfg.eval.timeout_s, say=console.say)
 
 
 def start_buffer(cfg: RunConfig, task, run_state: dict | None):

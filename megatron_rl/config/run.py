@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.base import Section
 from megatron_rl.config.cluster import ClusterConfig
+from megatron_rl.config.eval import EvalConfig
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.rollout import BufferConfig, RolloutConfig, SyncConfig
 from megatron_rl.config.task import TaskConfig
@@ -50,6 +51,8 @@ class RunConfig(Section):
     """Weight sync."""
     task: TaskConfig = Field(default_factory=TaskConfig)
     """The task."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation on validation prompts during training."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """The cluster a production run is planned for."""
 

@@ -10,11 +10,16 @@ the evaluation shows there. It costs the generation it needs and nothing else: t
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.pass_at_k import eval_scores
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED = 7_777_777
 """Base of the sampled evaluation's seeds: the same prompts get the same seeds at every evaluation."""
@@ -36,12 +41,12 @@ class Evaluator:
         self.tokenizer, self.score, self.cfg, self.rollout = tokenizer, score, eval_cfg, rollout
         self.done: list[dict] = []
 
-    def due(self, trainer_version: int, last_evaluated: int | None) -> bool:
-        """Whether an interval evaluation is due at `trainer_version`."""
+    def due(self, trainer_version: int, last_evaluated: int | None, last_step: int) -> bool:
+        """Whether an evaluation is due at `trainer_version`: a multiple of the interval, or the last step."""
         interval = self.cfg.interval
-        if not interval or not self.prompts or trainer_version == 0:
+        if not interval or not self.prompts or trainer_version == 0 or trainer_version == last_evaluated:
             return False
-        return trainer_version % interval == 0 and trainer_version != last_evaluated
+        return trainer_version % interval == 0 or trainer_version == last_step
 
     async def evaluate(self, version: int) -> dict:
         """One evaluation, tagged with the trainer `version` that asked for it; returns its `eval/*` metrics."""
@@ -87,3 +92,48 @@ class Evaluator:
             live = [name for name in self.engines if name not in self.down] or list(self.engines)
             actor = self.engines[live[index % len(live)]]
             return await asyncio.wait_for(actor.generate.remote(request), self.rollout.request_timeout_s)
+
+
+class EvalRunner:
+    """Starts the evaluations that fall due while the launcher drives generation, and appends each result as one
+    JSON line to `RUN_DIR/eval.jsonl`, from where trainer rank 0 merges it into the step record it writes next
+    (the last step's record waits for the last evaluation)."""
+
+    def __init__(self, evaluator: Evaluator, path: Path, last_step: int, timeout_s: float, say=None):
+        self.evaluator, self.path, self.last_step, self.timeout_s = evaluator, Path(path), last_step, timeout_s
+        self.say = say or (lambda text: None)
+        self.last: int | None = None
+        self.task: asyncio.Task | None = None
+
+    def poll(self, trainer_version: int) -> None:
+        """(In the launcher's event loop) start an evaluation when one is due and none is running."""
+        if self.task is not None and not self.task.done():
+            return
+        if self.evaluator.due(trainer_version, self.last, self.last_step):
+            self.last = trainer_version
+            self.task = asyncio.get_running_loop().create_task(self._run(trainer_version))
+
+    async def _run(self, version: int) -> None:
+        try:
+            metrics = await asyncio.wait_for(self.evaluator.evaluate(version), self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # an evaluation lost to an engine failure or the deadline; training goes on
+            log.warning("evaluation at version %d failed: %s: %s", version, type(err).__name__, err)
+            metrics = {"eval/version": version, "eval/failed": f"{type(err).__name__}: {err}"[:300]}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+        if "eval/reward_mean" in metrics:
+            k = max(int(key.split("@")[1]) for key in metrics if key.startswith("eval/pass@"))
+            self.say(
+                f"eval at version {version}: reward {metrics['eval/reward_mean']:.3f} | pass@1 "
+                f"{metrics['eval/pass@1']:.3f} | pass@{k} {metrics[f'eval/pass@{k}']:.3f} | mean@{k} "
+                f"{metrics[f'eval/mean@{k}']:.3f} ({metrics['eval/prompts']} prompts, {metrics['eval/seconds']:.1f} s)"
+            )
+
+
+def generated_eval_prompts(task, count: int) -> list[dict]:
+    """Held-out prompts of a generated (built-in) task: its `count` first prompts of an epoch training never
+    reaches (-1), the same at every evaluation."""
+    prompts = task.prompts(epoch=-1)
+    return [next(prompts) for _ in range(count)]

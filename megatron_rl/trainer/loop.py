@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
+from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
 from megatron_rl.parallel.groups import destroy_distributed
@@ -96,6 +97,7 @@ class TrainerLoop:
                 spec["run_dir"], cfg.steps, cfg.wandb_project, config=cfg.model_dump(mode="json")
             )
             self.meter = EngineMeter(lambda: self.sync.sync.engines)
+            self.evals = EvalInbox(spec["run_dir"])
             self.zero_variance = ZeroVarianceShare()
             self._report("running")
 
@@ -204,6 +206,11 @@ class TrainerLoop:
         self._report("running")
         record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s, self.zero_variance)
         record["sync/resyncs"] = self.sync.resyncs
+        evaluating = self.cfg.eval.interval > 0
+        if evaluating and step == self.cfg.steps:  # the launcher evaluates the last version: its record waits
+            record |= self.evals.wait_for(step, self.cfg.eval.timeout_s)
+        elif evaluating:
+            record |= self.evals.take()
         self.metrics.log(step, record | self.meter.measure())
 
     def close(self) -> None:

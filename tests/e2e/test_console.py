@@ -1,5 +1,6 @@
 """`megatron-rl train` as a user sees it: prefixed lines on the console, one per step with reward and ETA; the
-engines', trainer's and third-party output in RUN_DIR/logs/; report.png written."""
+engines', trainer's and third-party output in RUN_DIR/logs/; report.png written; evaluation every 2 steps and at
+the end, its metrics in metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from megatron_rl.metrics.console import PREFIX
+from megatron_rl.metrics.logger import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -20,7 +22,8 @@ def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
     steps = 4
     cmd = [
         sys.executable, "-m", "megatron_rl.cli", "train", "configs/quickstart.yaml", f"steps={steps}",
-        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny",
+        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "eval.interval=2", "eval.n=4",
+        "eval.max_prompts=6", "eval.pass_threshold=0.5",
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -39,3 +42,11 @@ def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
     engine_log = (logs / "engine-0.log").read_text()
     assert "vLLM" in engine_log or "vllm" in engine_log
     assert (run_dir / "report.png").stat().st_size > 20_000
+    records = read_metrics(run_dir / "metrics.jsonl")
+    evaluated = [r["eval/version"] for r in records if "eval/version" in r]
+    assert evaluated[-1] == steps and 2 in evaluated, evaluated  # every 2 steps, and the last step's waits for it
+    last = records[-1]
+    assert last["eval/prompts"] == 6 and 0 <= last["eval/pass@1"] <= last["eval/pass@2"] <= last["eval/pass@4"] <= 1
+    assert 0 <= last["eval/reward_mean"] <= 1 and "eval/mean@4" in last
+    assert last["eval/version_min"] <= last["eval/version_max"] <= steps
+    assert any(ln.startswith(f"{PREFIX} eval at version {steps}:") for ln in ours)
