@@ -125,15 +125,24 @@ def run_torchrun(module: str, args: list[str], nproc: int, timeout_s: float, log
     return output
 
 
-_ROOT_CAUSE = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:")
+_ROOT_CAUSE = re.compile(r"^(\[rank(?P<rank>\d+)\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:")
+_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing")
+"""Errors a rank prints because another one died first: never the root cause while another error is there."""
 
 
-def root_cause(text: str) -> str:
-    """The first exception line a rank printed (torchrun's own summary comes after it), or ''."""
-    for line in text.splitlines():
-        if _ROOT_CAUSE.match(line.strip()) and "ChildFailedError" not in line:
-            return line.strip()
-    return ""
+def root_cause(text: str, rank: str | None = None) -> str:
+    """The exception line that explains the failure, or '': the first one `rank` (torchrun's first failed rank,
+    when known) printed, else the first one any rank printed; either way an error that only reports a peer's
+    death (a closed connection) is taken last, since which rank prints first is a race."""
+    found = [
+        (match["rank"], line.strip())
+        for line in text.splitlines()
+        if (match := _ROOT_CAUSE.match(line.strip())) and "ChildFailedError" not in line
+    ]
+    ranked = sorted(
+        found, key=lambda item: (any(k in item[1] for k in _KNOCK_ON), rank is not None and item[0] != rank)
+    )  # stable: among equals the first printed wins
+    return ranked[0][1] if ranked else ""
 
 
 _FIRST_FAILURE = re.compile(
@@ -161,7 +170,8 @@ _INPUT_ERRORS = ("CheckpointError", "ConfigError", "LayoutError", "PlanError", "
 
 def _tail(text: str, lines: int = 30) -> str:
     body = "\n".join(ln for ln in text.strip().splitlines() if not ln.lstrip().startswith(("Warning", "warnings.warn")))
-    cause = root_cause(text)
+    match = _FIRST_FAILURE.search(text)
+    cause = root_cause(text, match["rank"] if match else None)
     first = first_failed_rank(text)
     bad_input = any(f"{name}:" in cause for name in _INPUT_ERRORS)
     tail = "" if bad_input else "\n".join(body.splitlines()[-lines:])

@@ -325,8 +325,18 @@ class VLLMEngine:
 
     async def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list:
         """Call a method of the worker extension (`EngineSpec.worker_extension`) on every worker of this engine,
-        by its name (`weights/engine/worker.py` names the production ones); one result per worker."""
-        return await self._require().collective_rpc(method, timeout=timeout, args=args)
+        by its name (`weights/engine/worker.py` names the production ones); one result per worker, data-parallel
+        replica by replica.
+
+        With data parallel > 1 vLLM 0.32's `AsyncLLM.collective_rpc` calls every replica's engine core but returns
+        only the first one's results (`DPLBAsyncMPClient.call_utility_async`); its `call_utility_all_async`
+        (which vLLM's own weight checksums use) returns each one's."""
+        llm = self._require()
+        core = getattr(llm, "engine_core", None)
+        if self.spec.data_parallel > 1 and hasattr(core, "call_utility_all_async"):
+            replicas = await core.call_utility_all_async("collective_rpc", method, timeout, args, None)
+            return [result for results in replicas for result in results]
+        return await llm.collective_rpc(method, timeout=timeout, args=args)
 
     async def init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> list:
         """Have every worker join the weight-transfer groups (one per trainer sender) as offset + its rank."""

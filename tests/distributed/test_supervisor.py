@@ -13,6 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from megatron_rl.config import RunConfig  # noqa: E402
 from megatron_rl.rollout import supervisor as supervisor_module  # noqa: E402
 from megatron_rl.rollout.buffer import make_buffer_actor  # noqa: E402
 from megatron_rl.rollout.control import make_control_actor  # noqa: E402
@@ -49,7 +50,7 @@ class RestartingPool:
 
 
 def _supervisor(engines: dict, **options) -> tuple[EngineSupervisor, GenerationDriver, RestartingPool, object]:
-    driver = GenerationDriver(buffer=None, engines=engines, task=None, tokenizer=None, cfg=None, lag=0)
+    driver = GenerationDriver(buffer=None, engines=engines, task=None, tokenizer=None, cfg=RunConfig(), lag=0)
     control = make_control_actor([(name, 1) for name in engines], name=f"control-{time.monotonic_ns()}")
     buffer = make_buffer_actor(capacity=4, max_staleness=1, stale_policy="drop")
     pool = RestartingPool()

@@ -55,6 +55,23 @@ def test_tp2xep2_into_an_expert_parallel_tp2_engine_and_a_tp1_engine_each_expert
     assert any(i["spanning_versions"] for i in report["inflight"]), "no request was in flight during a sync"
 
 
+@pytest.mark.slow
+def test_into_a_data_parallel_expert_parallel_engine_every_replica_reports_and_receives_its_share(tiny_dir):
+    """DP2 x TP1 with expert parallelism: two engine cores, one worker each, hosting 4 of the 8 experts each."""
+    report = run_sync_check(
+        tiny_dir("qwen3_moe"), ParallelLayout(tp=2, ep=2), engines=1, engine_tp=1, engine_dp=2, engine_ep=True,
+        syncs=2, inflight_requests=2, bucket_mb=0.5,
+    )  # fmt: skip
+    _check_parity(report)
+    assert report["max_abs_logprob_diff"] <= 1e-4, report
+    assert report["hosted"] == {"1": "4/8 (linear): [0, 1, 2, 3]", "2": "4/8 (linear): [4, 5, 6, 7]"}
+    share = report["non_expert_bytes"] + report["expert_bytes"] / 2
+    received = report["received_bytes"]  # both replicas' workers reported (vLLM returns only the first's)
+    assert set(received) == {"engine-0/worker1", "engine-0/worker2"}, received
+    assert all(share <= r <= share * 1.05 for r in received.values()), received
+    assert report["received_in_place_per_sync"][-1]["engine-0"] == 48  # 2 layers x 4 experts x 3, on each
+
+
 def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
     report = run_sync_check(
         tiny_dir("qwen3_moe"), ParallelLayout(pp=2), engines=2, syncs=2, inflight_requests=4, inflight="abort"

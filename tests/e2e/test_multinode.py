@@ -19,9 +19,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -36,6 +38,20 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture()
+def short_dir():
+    """Folders with short paths for Ray's state (its socket paths must stay under 107 bytes), removed after."""
+    made: list[str] = []
+
+    def make() -> Path:
+        made.append(tempfile.mkdtemp(prefix="mrl-ray-", dir="/tmp"))
+        return Path(made[-1])
+
+    yield make
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -116,9 +132,9 @@ def _finished(run_dir: Path, steps: int = 3) -> dict:
     return summary
 
 
-def test_two_torchrun_agents_meet_through_c10d_rendezvous(tmp_path):
+def test_two_torchrun_agents_meet_through_c10d_rendezvous(tmp_path, short_dir):
     port, rdzv = _free_port(), _free_port()
-    state, run_dir = tmp_path / "ray", tmp_path / "agents"
+    state, run_dir = short_dir(), tmp_path / "agents"
     env = _env(tmp_path)
     run = [*RUN, f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "name=agents"]
     procs = Processes(tmp_path)
@@ -139,7 +155,7 @@ def test_two_torchrun_agents_meet_through_c10d_rendezvous(tmp_path):
                 [sys.executable, "-m", "megatron_rl.parallel.torchrun", "--nnodes", "2", "--nproc-per-node", "1",
                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}", "--rdzv-id", "two-agents",
                  "--local-addr", "127.0.0.1", "--max-restarts", "0", "-m", "megatron_rl.trainer.loop", str(spec)],
-                driver_env,
+                {**driver_env, "LOGLEVEL": "INFO"},  # torchrun then logs the rendezvous result
             )  # fmt: skip
         codes = procs.wait(["launcher", "agent0", "agent1"], 1200)
         assert codes == {"launcher": 0, "agent0": 0, "agent1": 0}, {n: procs.log(n)[-2000:] for n in codes}
@@ -147,16 +163,34 @@ def test_two_torchrun_agents_meet_through_c10d_rendezvous(tmp_path):
         procs.stop()
         subprocess.run(["bash", str(RAY_CLUSTER), "stop", "--state-dir", str(state)], env=env, timeout=120)
     _finished(run_dir)
-    ranks = sorted(line for n in ("agent0", "agent1") for line in procs.log(n).splitlines() if "group_rank=" in line)
-    assert any("group_rank=0" in line for line in ranks) and any("group_rank=1" in line for line in ranks), ranks
+    ranks = {n: [w.strip() for w in procs.log(n).splitlines() if "group_rank=" in w] for n in ("agent0", "agent1")}
+    assert sorted(r for found in ranks.values() for r in found) == ["group_rank=0", "group_rank=1"], ranks
+    assert all("group_world_size=2" in procs.log(n) for n in ranks)
 
 
-def test_a_two_node_ray_cluster_runs_the_engine_on_the_worker_node(tmp_path):
+def _titled_below(pid: int, prefix: str) -> bool:
+    """Whether a process below `pid` has a command line starting with `prefix` (Ray titles actors `ray::Class`)."""
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return False
+    for proc in below:
+        try:
+            if " ".join(proc.cmdline()).startswith(prefix):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
+def test_a_two_node_ray_cluster_runs_the_engine_on_the_worker_node(tmp_path, short_dir):
     port = _free_port()
-    head_state, worker_state, run_dir = tmp_path / "head", tmp_path / "worker", tmp_path / "two-node-ray"
+    head_state, worker_state, run_dir = short_dir(), short_dir(), tmp_path / "two-node-ray"
     env = _env(tmp_path)
     run = [*RUN, f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "name=two-node-ray"]
     address = f"127.0.0.2:{port}"
+    procs = Processes(tmp_path)
+    on_worker = on_head = False
     try:
         # The head offers no CPUs: the engine (it needs some) can only go to the worker node.
         _ray(["start-head", "--port", str(port), "--node-ip", "127.0.0.2", "--num-cpus", "0",
@@ -164,18 +198,23 @@ def test_a_two_node_ray_cluster_runs_the_engine_on_the_worker_node(tmp_path):
         _ray(["start-worker", address, "--node-ip", "127.0.0.3", "--num-cpus", "2", "--state-dir", str(worker_state)],
              env)  # fmt: skip
         _ray(["wait", address, "2", "--timeout", "300"], env)
-        result = subprocess.run(
-            [sys.executable, "-m", "megatron_rl.cli", "train", *run, "--ray-address", address, "--json"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
+        head_pid, worker_pid = (int((d / "ray.pid").read_text()) for d in (head_state, worker_state))
+        launcher = procs.start(
+            "launcher", [sys.executable, "-m", "megatron_rl.cli", "train", *run, "--ray-address", address, "--json"], env
         )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
+        deadline = time.monotonic() + 1200
+        while launcher.poll() is None:  # each node's processes descend from its `ray start --block`
+            on_worker = on_worker or _titled_below(worker_pid, "ray::VLLMEngine")
+            on_head = on_head or _titled_below(head_pid, "ray::VLLMEngine")
+            assert time.monotonic() < deadline, "the run did not finish within 1200 s"
+            time.sleep(1)
+        assert launcher.returncode == 0, procs.log("launcher")[-3000:]
     finally:
+        procs.stop()
         for state in (worker_state, head_state):
             subprocess.run(["bash", str(RAY_CLUSTER), "stop", "--state-dir", str(state)], env=env, timeout=120)
     _finished(run_dir)
-    engine_logs = [p for p in worker_state.rglob("worker-*.out") if ":actor_name:VLLMEngine" in p.read_text()]
-    assert engine_logs, "the engine did not run on the worker node"
-    assert not [p for p in head_state.rglob("worker-*.out") if ":actor_name:VLLMEngine" in p.read_text()]
+    assert on_worker and not on_head, (on_worker, on_head)
 
 
 def _slurm_missing() -> str:

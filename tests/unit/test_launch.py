@@ -30,7 +30,17 @@ THIRTY_TWO_NODES = ["cluster.trainer_nodes=16", "cluster.inference_nodes=16", "c
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without any Slurm, launch or cluster setting that could leak in."""
-    drop = ("SLURM_", "MRL_", "TRAINER_NODES", "INFERENCE_NODES", "GPUS_PER_NODE", "RAY_", "CUDA_VISIBLE_DEVICES")
+    drop = (
+        "SLURM_",
+        "MRL_",
+        "TRAINER_NODES",
+        "INFERENCE_NODES",
+        "GPUS_PER_NODE",
+        "RAY_",
+        "CUDA_VISIBLE_DEVICES",
+        "GLOO_",
+        "NCCL_",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(MRL_PYTHON=sys.executable, MRL_DRY_RUN="1")
     env.update(extra)

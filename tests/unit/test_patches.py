@@ -203,9 +203,53 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["busy_loop_s"] == 1  # vLLM's own waiting logic is kept
     if in_our_engine:
-        assert out["patches"] == ["vllm_queue_waits_sleep"]
+        assert out["patches"] == ["vllm_queue_waits_sleep", "cpu_moe_expert_map", "cpu_communicator_gatherv"]
         assert out["cpu_share"] < 0.15, out  # waiting no longer takes a core
         assert out["last_pause"] == pytest.approx(VLLM_WAIT_POLL_MAX_S), out  # looks got sparse over 0.3 s
         assert out["pause_after_read"] == VLLM_WAIT_POLL_S, out  # and prompt again after a message
     else:
         assert out["patches"] == [] and out["cpu_share"] > 0.5, out
+
+
+EP_KERNEL_PROBE = """
+import json, os, types, torch
+os.environ["MRL_VLLM_PATCHES"] = "1"
+from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+from megatron_rl.parallel.patches import apply_vllm_patches
+torch.manual_seed(0)
+E, H, I, M, K = 8, 128, 64, 64, 2
+w13, w2, x = torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, torch.randn(M, H)
+weights, ids = torch.softmax(torch.randn(M, E), -1).topk(K, -1)
+weights, ids = (weights / weights.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32).contiguous()
+pack = lambda w: cpu_prepack_moe_weight(w.contiguous(), "vec")
+full = torch.empty(M, H)
+cpu_fused_moe(full, x, pack(w13), pack(w2), None, None, weights, ids, "silu", "vec")
+patches = apply_vllm_patches()
+experts = object.__new__(CPUUnquantizedExperts)  # only what apply() reads
+experts._use_zentorch = False
+experts.quant_config = types.SimpleNamespace(w1_bias=None, w2_bias=None)
+total = torch.zeros(M, H)
+for rank in range(2):  # two expert-parallel workers, 4 experts each, linear placement
+    expert_map = torch.full((E,), -1, dtype=torch.int32)
+    expert_map[4 * rank : 4 * rank + 4] = torch.arange(4, dtype=torch.int32)
+    out = torch.empty(M, H)
+    experts.apply(output=out, hidden_states=x, w1=pack(w13[4 * rank : 4 * rank + 4]), w2=pack(w2[4 * rank : 4 * rank + 4]),
+                  topk_weights=weights, topk_ids=ids, activation=MoEActivation.SILU, global_num_experts=E,
+                  expert_map=expert_map, a1q_scale=None, a2_scale=None, workspace13=None, workspace2=None,
+                  expert_tokens_meta=None, apply_router_weight_on_input=False)
+    total += out  # what vLLM's all-reduce over the EP group does
+print(json.dumps({"patches": patches, "max_diff": (total - full).abs().max().item()}))
+"""
+
+
+def test_cpu_experts_under_expert_parallel_honour_the_expert_map():
+    """Two simulated EP workers through the patched `CPUUnquantizedExperts.apply` sum to the whole-model kernel
+    (unpatched, global ids index past a worker's local experts: a native crash or garbage)."""
+    pytest.importorskip("vllm")
+    result = subprocess.run([sys.executable, "-c", EP_KERNEL_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "cpu_moe_expert_map" in out["patches"] and "cpu_communicator_gatherv" in out["patches"]
+    assert out["max_diff"] < 1e-5, out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.parallel.torchrun import first_failed_rank, log_failure
+from megatron_rl.parallel.torchrun import first_failed_rank, log_failure, root_cause
 
 KILLED_RANK_LOG = """\
 [rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:32666: Connection reset by peer.
@@ -60,3 +60,24 @@ def test_an_internal_error_keeps_the_traceback_tail(tmp_path):
     log = tmp_path / "trainer.log"
     log.write_text(KILLED_RANK_LOG)
     assert "ChildFailedError" in str(log_failure(log, "megatron_rl.trainer.loop", 1))
+
+
+PEER_FIRST_LOG = """\
+[rank1]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2997. This is \
+typically caused by a remote worker crashing.
+[rank0]: megatron_rl.errors.CheckpointError: model.layers.1.mlp.experts.2.up_proj.weight: shape (3, 128), expected \
+(64, 128)
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 28522)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+"""
+
+
+def test_the_failed_ranks_own_error_is_the_root_cause_not_a_peer_reporting_its_death():
+    """Rank 1 printed its lost connection before rank 0 printed why it stopped: rank 0's error is the cause."""
+    cause = root_cause(PEER_FIRST_LOG, "0")
+    assert cause.startswith("[rank0]: megatron_rl.errors.CheckpointError: model.layers.1.mlp.experts.2.up_proj")
+    assert root_cause(PEER_FIRST_LOG).startswith("[rank0]: megatron_rl.errors.CheckpointError")  # no rank known
+    assert root_cause(PEER_FIRST_LOG.splitlines()[0]).startswith("[rank1]: RuntimeError")  # the only one there
