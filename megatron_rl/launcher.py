@@ -20,7 +20,7 @@ from megatron_rl.config import RunConfig, dump_config
 from megatron_rl.errors import UserError
 from megatron_rl.metrics.console import LOGS_DIR, Console, MetricsFollower, ThirdPartyOutput, collect_ray_logs
 from megatron_rl.metrics.evals import EVAL_FILE
-from megatron_rl.metrics.logger import read_metrics
+from megatron_rl.metrics.logger import is_step_record, read_metrics
 from megatron_rl.metrics.plots import plot_report, plot_reward_curve
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import layout_from_config
@@ -331,7 +331,7 @@ def summarize(
     cfg: RunConfig, run_dir: Path, seconds: float, resume_from: Path | None, outcome: dict, driver, supervisor, task
 ) -> dict:
     """The run's summary (`summary.json`), with the reward curve drawn from its metrics."""
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if is_step_record(r)]
     plot_reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png", title=f"{cfg.name}: {cfg.mode}")
     plot_report(run_dir / "metrics.jsonl", run_dir / "report.png", title=f"{cfg.name}: {cfg.mode}")
     return {

@@ -96,6 +96,25 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_lengths(self) -> RunConfig:
+        """A prompt and its response must fit the engines' and the trainer's sequence length."""
+        seq, new = self.model.max_sequence_length, self.rollout.max_new_tokens
+        if new >= seq:
+            raise ValueError(
+                f"rollout.max_new_tokens={new} leaves no room for a prompt in model.max_sequence_length={seq}"
+            )
+        task = self.task
+        if task.name in ("jsonl", "parquet", "dataset"):
+            if "max_prompt_tokens" not in task.model_fields_set:
+                task.max_prompt_tokens = seq - new  # the default: whatever fits (longer rows are skipped, counted)
+            elif task.max_prompt_tokens + new > seq:
+                raise ValueError(
+                    f"task.max_prompt_tokens={task.max_prompt_tokens} + rollout.max_new_tokens={new} exceeds"
+                    f" model.max_sequence_length={seq}: a long prompt and its response would not fit"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _check_algorithm_needs(self) -> RunConfig:
         a = self.algorithm
         if a.dynamic_sampling and self.rollout.samples_per_prompt < 2:

@@ -101,7 +101,8 @@ class TaskConfig(Section):
     chat_template: str = ""
     """Jinja chat template (or a file holding one) for chat-message prompts (empty: the tokenizer's own)."""
     max_prompt_tokens: int = Field(256, ge=1)
-    """Prompts longer than this are skipped and counted."""
+    """Dataset prompts longer than this are skipped and counted. In a run it defaults to what fits beside the
+    response (model.max_sequence_length - rollout.max_new_tokens); a value set that does not fit is refused."""
     seed: int = 0
     """Seed of prompt generation, dataset shuffling and mixing."""
     shuffle: bool = True

@@ -105,3 +105,9 @@ class CheckpointConfig(Section):
     resume: bool = False
     """Continue from the latest whole-run checkpoint under `save_dir` (`megatron-rl train --resume`); starts from
     scratch when there is none yet."""
+    export_final: bool = True
+    """At the end of the run, write the policy as a Hugging Face checkpoint folder `RUN_DIR/hf/` (safetensors in
+    the dtypes of `model.hf_path`, its config and tokenizer), which transformers and vLLM load."""
+    export_hf: bool = False
+    """With every whole-run checkpoint, also write the policy as a Hugging Face folder `huggingface/` inside it
+    (removed with the checkpoint by `keep_last`)."""

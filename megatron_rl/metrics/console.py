@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from megatron_rl.metrics.logger import is_step_record
+
 PREFIX = "[megatron-rl]"
 """Every line this project prints on the console of a run starts with it."""
 LOGS_DIR = "logs"
@@ -84,6 +86,8 @@ class MetricsFollower:
             except json.JSONDecodeError:
                 continue  # a record torn by a crash: the trainer's own log says why
             records.append(record)
+            if not is_step_record(record):
+                continue  # an evaluation on its own: the launcher printed its line when it finished
             self._times.append((int(record["step"]), float(record.get("wall_s", 0.0))))
             self.console.say(step_line(record, self.total_steps, self.eta_s()))
         return records

@@ -41,9 +41,12 @@ class MetricsLogger:
         self._wandb = _wandb(wandb_project, self.run_dir, config) if wandb_project else None
         self.start = time.perf_counter()
 
-    def log(self, step: int, metrics: dict) -> None:
-        """Record the metrics of `step` everywhere and print the console line."""
+    def log(self, step: int, metrics: dict, kind: str = "") -> None:
+        """Record the metrics of `step` everywhere and print the console line; a record of another `kind` (e.g.
+        EVAL_RECORD: an evaluation that came with a later one) is marked so and has no console line."""
         record = {"step": step, "wall_s": round(time.perf_counter() - self.start, 3), **metrics}
+        if kind:
+            record[KIND_KEY] = kind
         self._jsonl.write(json.dumps(record, default=float) + "\n")
         self._jsonl.flush()
         flat: dict = {}
@@ -55,7 +58,8 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
-        print(self.console_line(step, flat), file=sys.stderr, flush=True)
+        if not kind:
+            print(self.console_line(step, flat), file=sys.stderr, flush=True)
 
     def console_line(self, step: int, flat: dict) -> str:
         """`[step 12/40 00:53] reward 0.812 | loss ...`: the live progress display."""
@@ -87,6 +91,17 @@ def _wandb(project: str, run_dir: Path, config: dict | None):
     import wandb  # optional (the `wandb` extra), and only when a project is configured
 
     return wandb.init(project=project, dir=str(run_dir), config=config or {})
+
+
+KIND_KEY = "record"
+"""The key that marks a record other than a step's own (absent from step records)."""
+EVAL_RECORD = "eval"
+"""`record: eval`: an evaluation's results logged on their own (it came together with a later one)."""
+
+
+def is_step_record(record: dict) -> bool:
+    """Whether `record` is a step's own record (not one of another kind, see `MetricsLogger.log`)."""
+    return KIND_KEY not in record
 
 
 def read_metrics(path: str | Path) -> list[dict]:

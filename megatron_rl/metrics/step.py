@@ -35,6 +35,25 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict:
         "staleness/histogram": {str(k): v for k, v in sorted(staleness.items())},
         "rollout/stale_corrected": sum(bool(g.stale) for g in groups),
         "batch/zero_variance_frac": flat / max(1, len(groups)),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
+        **reward_components(samples),
+    }
+
+
+_REWARD_KEYS = ("mean", "std", "max")
+
+
+def reward_components(samples: list) -> dict:
+    """`reward/<name>`: the batch mean of each reward component (each reward function's value and each length
+    penalty, in `sample.metadata["rewards"]`), over the samples that have it; a component named like one of the
+    reward's own figures (mean, std, max) is `reward/<name>_component`."""
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        for name, value in sample.metadata.get("rewards", {}).items():
+            values.setdefault(name, []).append(float(value))
+    return {
+        f"reward/{name}_component" if name in _REWARD_KEYS else f"reward/{name}": sum(v) / len(v)
+        for name, v in sorted(values.items())
     }
 
 

@@ -21,19 +21,26 @@ import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
 from megatron_rl.metrics.evals import EvalInbox
-from megatron_rl.metrics.logger import MetricsLogger
+from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
 from megatron_rl.parallel.groups import destroy_distributed
+from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
 from megatron_rl.run_state import is_due, mark_latest, step_dir, write_run_state
 from megatron_rl.trainer.batch import TrainBatch, groups_to_batch, replica_share
 from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
+from megatron_rl.weights.export import export_hf_folder
 from megatron_rl.weights.recovery import RecoveringSync
 from megatron_rl.weights.sync import TrainerWeightSync, engine_handles, ray_get_named
 
 log = logging.getLogger(__name__)
+
+FINAL_EXPORT_DIR = "hf"
+"""The run folder's Hugging Face export of the final policy (`checkpoint.export_final`)."""
+CHECKPOINT_EXPORT_DIR = "huggingface"
+"""A whole-run checkpoint's Hugging Face export of its policy (`checkpoint.export_hf`)."""
 
 
 class BatchWaitError(RuntimeError):
@@ -55,6 +62,8 @@ def run_loop(cfg: RunConfig, spec: dict) -> None:
             loop.save_checkpoint(step)  # before the engines see version `step`: see run_state.py
         sync_report = loop.push(step)
         loop.finish_step(step, groups, stats, sync_report, t_data, time.perf_counter() - t0)
+    if cfg.checkpoint.export_final:
+        loop.export_hf(Path(spec["run_dir"]) / FINAL_EXPORT_DIR, loop.step)
     loop.close()
 
 
@@ -71,6 +80,7 @@ class TrainerLoop:
             join_ray(spec["ray_address"])
             self.buffer = ray.get_actor(spec["buffer"])
             self.control = ray.get_actor(spec["control"])
+        self.heartbeat = TrainerHeartbeat(self.control)  # (rank 0) through saves, exports and weight pushes
         resume = spec.get("resume_from")
         self.step = self.learner.load(Path(resume)) if resume else 0
         self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
@@ -175,7 +185,10 @@ class TrainerLoop:
     def save_checkpoint(self, step: int) -> None:
         """(Every rank) the whole-run checkpoint of `step`: trainer state, RNG, buffer contents and data position."""
         folder = step_dir(self.cfg.checkpoint.save_dir, step)
-        self.learner.save(folder, step)
+        with self.heartbeat.during(step, f"saving the checkpoint of step {step}"):
+            self.learner.save(folder, step)
+        if self.cfg.checkpoint.export_hf:
+            self.export_hf(folder / CHECKPOINT_EXPORT_DIR, step)
         if self.is_rank0:
             write_run_state(folder, step, ray.get(self.buffer.state_dict.remote(), timeout=120))
         dist.barrier()
@@ -183,11 +196,26 @@ class TrainerLoop:
             mark_latest(self.cfg.checkpoint.save_dir, folder)
         self.saved_step = step
 
+    def export_hf(self, folder: Path, step: int) -> None:
+        """(Every rank) the current policy (that of `step`) as a Hugging Face checkpoint folder (weights/export.py),
+        in the dtypes of `model.hf_path`, replacing an earlier export there only once the new one is whole."""
+        rank, start = self.learner.rank, time.perf_counter()
+        model = unwrap_model(self.learner.state.model)
+        with self.heartbeat.during(step, f"exporting the policy of step {step}"):
+            nbytes = export_hf_folder(model, rank.family, rank.arch, rank.ctx, folder, self.cfg.model.hf_path)
+        if self.is_rank0:
+            log.info("exported the policy of step %d to %s (%.1f MB, %.1f s)", step, folder, nbytes / 2**20,
+                     time.perf_counter() - start)  # fmt: skip
+
     def push(self, step: int) -> dict:
         """(Every rank) send the weights of version `step` to the engines, after checking they are finite (a
         skipped update leaves them as they were). With `algorithm.forced_lag` k the engines get version
         `step - k` instead, and nothing while that is the start version they already hold."""
         self.learner.check_weights(step)
+        with self.heartbeat.during(step, f"pushing the weights of step {step}"):  # a recovery may take minutes
+            return self._push(step)
+
+    def _push(self, step: int) -> dict:
         if not self.lagged.lag:
             return self.sync.push(step)
         self.lagged.record(step)
@@ -206,12 +234,15 @@ class TrainerLoop:
         self._report("running")
         record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s, self.zero_variance)
         record["sync/resyncs"] = self.sync.resyncs
-        evaluating = self.cfg.eval.interval > 0
+        evaluating, later = self.cfg.eval.interval > 0, []
         if evaluating and step == self.cfg.steps:  # the launcher evaluates the last version: its record waits
-            record |= self.evals.wait_for(step, self.cfg.eval.timeout_s)
+            first, *later = self.evals.drain_until(step, self.cfg.eval.timeout_s)
+            record |= first
         elif evaluating:
             record |= self.evals.take()
         self.metrics.log(step, record | self.meter.measure())
+        for result in later:  # results that came after the previous step's record: records of their own
+            self.metrics.log(step, result, kind=EVAL_RECORD)
 
     def close(self) -> None:
         """Report the end of training (and why it came early, if it did) and close the metrics."""

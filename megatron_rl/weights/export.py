@@ -6,13 +6,14 @@ rank 0 numbers them, writes the index and copies the config and tokenizer. Used 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.models import ModelArch, ModelFamily
-from megatron_rl.models.hf_checkpoint import ShardedWriter, copy_side_files, write_index
+from megatron_rl.models.hf_checkpoint import HFCheckpoint, ShardedWriter, copy_side_files, staging_folder, write_index
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.weights.gather import iter_hf_tensors
 
@@ -45,3 +46,24 @@ def write_hf_checkpoint(
         copy_side_files(hf_side, out)
     dist.barrier()
     return total
+
+
+def hf_dtypes(hf_dir: str | Path) -> dict[str, str]:
+    """Tensor name -> dtype name of a HF checkpoint, read from its safetensors headers (no tensor data loaded)."""
+    ckpt = HFCheckpoint(hf_dir)
+    return {name: ckpt.dtype_of(name) for name in ckpt.names()}
+
+
+def export_hf_folder(model, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, out: str | Path,
+                     hf_dir: str | Path) -> int:  # fmt: skip
+    """(Every rank) the model as a HF checkpoint folder `out`, replacing any earlier one there: written into a
+    staging sibling and renamed into place only once every rank's shards, the index and the side files (those of
+    the HF checkpoint `hf_dir`, whose dtypes the tensors take) are in. Returns the bytes written."""
+    holder: list = [None]
+    with contextlib.ExitStack() as stack:
+        if ctx.rank == 0:
+            holder[0] = str(stack.enter_context(staging_folder(out, overwrite=True, protect=[hf_dir])))
+        dist.broadcast_object_list(holder, src=0)
+        nbytes = write_hf_checkpoint(model, family, arch, ctx, holder[0], hf_dir, hf_dtypes(hf_dir))
+    dist.barrier()  # rank 0 renamed it: `out` is whole on every rank's return
+    return nbytes

@@ -20,7 +20,7 @@ from megatron_rl.trainer.model import BuildOptions
 from megatron_rl.trainer.save_strategy import InProcessTorchDistSaveStrategy
 from megatron_rl.trainer.setup import bring_up, bring_up_from_mcore
 from megatron_rl.weights.convert import TIMING_TAG
-from megatron_rl.weights.export import write_hf_checkpoint
+from megatron_rl.weights.export import hf_dtypes, write_hf_checkpoint
 from megatron_rl.workers import run_worker
 
 PHASES: dict[str, float] = {}
@@ -31,7 +31,7 @@ def hf_to_mcore(spec: dict) -> None:
     with phase("headers"):
         hf_config = read_hf_config(spec["hf"])
         ckpt = HFCheckpoint(spec["hf"])
-        dtypes = hf_dtypes(ckpt)
+        dtypes = hf_dtypes(spec["hf"])
     model_dtype = "bfloat16" if "bfloat16" in dtypes.values() else "float32"
     with phase("build"):
         opts = BuildOptions(dtype=model_dtype, init_weights=False)
@@ -54,11 +54,6 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - start
-
-
-def hf_dtypes(ckpt) -> dict[str, str]:
-    """Tensor name -> dtype name, read from the safetensors headers (no tensor data loaded)."""
-    return {name: ckpt.dtype_of(name) for name in ckpt.names()}
 
 
 def mcore_to_hf(spec: dict) -> None:

@@ -12,12 +12,18 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.launcher import run_training
 from megatron_rl.metrics.logger import read_metrics
+from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.run_state import step_dir
+from megatron_rl.verify.parity import run_parity
 
 pytestmark = pytest.mark.e2e
 
 
 def test_quickstart_learns_within_ten_minutes(tmp_path):
-    overrides = [f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "algorithm.ppo_minibatches=4"]
+    overrides = [
+        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "algorithm.ppo_minibatches=4",
+        f"checkpoint.save_dir={tmp_path}/ckpt",  # only after the last step: the trainer's final state
+    ]  # fmt: skip
     cfg = load_config("configs/quickstart.yaml", overrides)
     summary = run_training(cfg)
     run_dir = tmp_path / "quickstart"
@@ -53,6 +59,13 @@ def test_quickstart_learns_within_ten_minutes(tmp_path):
     ):
         assert key in records[-1], key  # fmt: skip
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == cfg.steps
+    assert (run_dir / "report.png").stat().st_size > 20_000
+    # The exported policy (RUN_DIR/hf) in transformers against Megatron on the trainer's final checkpoint.
+    assert {"config.json", "model.safetensors.index.json", "tokenizer_config.json"} <= {
+        p.name for p in (run_dir / "hf").iterdir()
+    }
+    parity = run_parity(str(run_dir / "hf"), ParallelLayout(), mcore_dir=str(step_dir(tmp_path / "ckpt", cfg.steps)))
+    assert parity["max_abs_logprob_diff"] <= 1e-4, parity
 
 
 def test_a_few_steps_with_dynamic_sampling_kl_in_the_reward_and_gspo(tmp_path):

@@ -51,6 +51,19 @@ def test_rollout_stats_staleness_is_the_oldest_token():
     assert stats["rollout/tokens"] == 7
 
 
+def test_rollout_stats_truncated_share_and_reward_components():
+    groups = _groups()
+    samples = [s for g in groups for s in g.samples]
+    for sample, reason in zip(samples, ["stop", "length", "stop", "length"], strict=True):
+        sample.finish_reason = reason
+    samples[0].metadata["rewards"] = {"accuracy": 1.0, "overlong": -0.5, "mean": 2.0}
+    samples[1].metadata["rewards"] = {"accuracy": 0.0, "overlong": 0.0}
+    stats = rollout_stats(groups, trainer_version=3)
+    assert stats["response/truncated_frac"] == 0.5
+    assert stats["reward/accuracy"] == 0.5 and stats["reward/overlong"] == -0.25  # over the samples that have it
+    assert stats["reward/mean_component"] == 2.0 and stats["reward/mean"] == pytest.approx(0.5)  # not overwritten
+
+
 def test_pad_length():
     assert [pad_length(n, 4) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
     assert torch.equal(groups_to_batch(_groups(), "grpo", tp=1).tokens[:, 5:], torch.zeros(4, 1, dtype=torch.long))

@@ -92,6 +92,15 @@ def test_cross_field_validation():
     assert "(top level)" not in str(err.value) and "got {" not in str(err.value)  # not the whole config dumped
 
 
+def test_a_prompt_and_its_response_must_fit_the_sequence_length():
+    base = ["model.max_sequence_length=256", "task.name=dataset", "task.path=x.jsonl"]
+    assert load_config(None, [*base, "rollout.max_new_tokens=56"]).task.max_prompt_tokens == 200  # the default fits
+    with pytest.raises(ConfigError, match="task.max_prompt_tokens=250 \\+ rollout.max_new_tokens=8 exceeds model"):
+        load_config(None, [*base, "rollout.max_new_tokens=8", "task.max_prompt_tokens=250"])
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=256 leaves no room for a prompt"):
+        load_config(None, ["model.max_sequence_length=256", "rollout.max_new_tokens=256"])
+
+
 def test_keeping_stale_groups_needs_an_importance_correction():
     assert load_config(None, ["buffer.stale_policy=correct"]).algorithm.correction == "tis"
     for algorithm in (["algorithm.correction=none"], ["algorithm.loss=ppo"]):

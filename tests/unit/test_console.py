@@ -33,6 +33,9 @@ def test_follower_prints_each_complete_record_once_with_an_eta(tmp_path):
     with path.open("a") as f:
         f.write('4.0, "reward/mean": 0.3}\n')
     assert [r["step"] for r in follower.poll()] == [3]
+    with path.open("a") as f:  # an evaluation logged on its own: no step line, no effect on the ETA
+        f.write(json.dumps({"step": 3, "wall_s": 99.0, "record": "eval", "eval/reward_mean": 0.5}) + "\n")
+    assert [r.get("record") for r in follower.poll()] == ["eval"]
     assert follower.poll() == []
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and all(line.startswith(PREFIX + " step ") for line in lines)
