@@ -4,17 +4,25 @@
 per position. The training forward instead takes each TP rank's slice of the logits `[b, s, V / tp]` and computes
 the same cross entropy plus the entropy with all-reduces of the max, `sum exp` and `sum p z` over the TP group
 (`logprobs_and_entropy`): no rank ever materialises the full [tokens x vocab] logits when TP > 1.
+
+With the engines' top-k / top-p mask on (`masked_logprobs`), the mask needs each row's global ranking, so the
+logits rows are all-gathered over the TP group (in chunks of rows, without gradient) to find the kept set; each
+rank then masks its own slice and the vocab-parallel cross entropy runs on the masked logits as before.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from torch import Tensor
 
 from megatron_rl.algorithms.entropy import entropy_from_logits
+from megatron_rl.algorithms.sampling_mask import SamplingMask, keep_mask
 from megatron_rl.parallel.groups import ParallelContext
 
 
@@ -87,6 +95,57 @@ def logprobs_and_entropy(
     return logprobs, entropy
 
 
+MASK_CHUNK_ELEMENTS = 1 << 24
+"""Full-vocabulary elements (rows x V) gathered at once to find the kept set: each chunk holds a few float32
+and int64 copies of that size, 16M elements about 0.4 GiB in all, whatever the micro-batch."""
+
+
+def _gather_vocab(rows: Tensor, tp: int) -> Tensor:
+    """`[n, V / tp]` slices of every TP rank -> `[n, V]` (Megatron's vocab split: rank r holds the r-th block)."""
+    if tp == 1:
+        return rows
+    parts = [torch.empty_like(rows) for _ in range(tp)]
+    dist.all_gather(parts, rows.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def local_keep_mask(logits: Tensor, labels: Tensor, mask: SamplingMask) -> tuple[Tensor, Tensor]:
+    """(this rank's slice of the kept set `[b, s, V / tp]`, `outside` `[b, s]`) for vocab-parallel `logits`.
+
+    `outside` marks labels the engine's mask would not keep; they are added to the kept set all the same, so a
+    trained token's logprob stays finite when the trainer's numerics (or a policy that moved since sampling) put
+    it just outside the engine's set. Every TP rank computes the same full-row mask, chunk by chunk.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    width = logits.shape[-1]
+    flat = logits.detach().reshape(-1, width)
+    flat_labels = labels.reshape(-1, 1)
+    keep = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
+    outside = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
+    step = max(1, MASK_CHUNK_ELEMENTS // (width * tp))
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], step):
+            rows = slice(start, start + step)
+            full = keep_mask(_gather_vocab(flat[rows].float(), tp), mask.top_k, mask.top_p)
+            outside[rows] = ~full.gather(-1, flat_labels[rows]).squeeze(-1)
+            full.scatter_(-1, flat_labels[rows], True)
+            keep[rows] = full[:, tp_rank * width : (tp_rank + 1) * width]
+    return keep.reshape(logits.shape), outside.reshape(labels.shape)
+
+
+def masked_logprobs(logits: Tensor, labels: Tensor, mask: SamplingMask) -> tuple[Tensor, Tensor]:
+    """(log p(label) `[b, s]` under the engine's top-k / top-p distribution, with gradient; `outside` `[b, s]`)
+    from vocab-parallel (already tempered) `logits` `[b, s, V / tp]`.
+
+    The kept set is found on the full rows (`local_keep_mask`); the logprob is Megatron's vocab-parallel cross
+    entropy on the logits with -inf outside it, so its gradient is that of the masked log-softmax.
+    """
+    keep, outside = local_keep_mask(logits, labels, mask)
+    masked = logits.float().masked_fill(~keep, float("-inf"))
+    return -tensor_parallel.vocab_parallel_cross_entropy(masked, labels), outside
+
+
 def _logprob_step(data_iterator, model):
     batch = next(data_iterator)
     output = model(**batch)
@@ -98,12 +157,25 @@ def _logprob_step(data_iterator, model):
     return output, collect
 
 
+def _masked_logprob_step(mask: SamplingMask, data_iterator, model):
+    batch = next(data_iterator)
+    labels = batch.pop("labels")
+    output = model(**batch)  # no labels: the vocab-parallel logits
+
+    def collect(output_tensor, non_loss_data=False):
+        logprobs, _ = masked_logprobs(output_tensor, labels, mask)
+        return logprobs[:, :-1].detach().float()
+
+    return output, collect
+
+
 def forward_logprobs(
-    model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int = 1
+    model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int = 1, mask: SamplingMask | None = None
 ) -> torch.Tensor | None:
     """Log-probs [batch, seq-1] of tokens[:, 1:] given their prefixes; the tensor on last-stage ranks, None elsewhere.
 
     Every rank must pass the same `tokens`. The sequence length must be divisible by TP (sequence parallel).
+    With an active `mask` they are the logprobs under the engines' top-k / top-p distribution (`masked_logprobs`).
     """
 
     batch, seq = tokens.shape
@@ -117,7 +189,7 @@ def forward_logprobs(
     try:
         with torch.no_grad():
             outputs = get_forward_backward_func()(
-                forward_step_func=_logprob_step,
+                forward_step_func=partial(_masked_logprob_step, mask) if mask and mask.active else _logprob_step,
                 data_iterator=iter(micro_batches),
                 model=[model],
                 num_microbatches=len(micro_batches),
