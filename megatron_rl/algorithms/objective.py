@@ -36,6 +36,7 @@ from megatron_rl.algorithms.masked import (
     masked_fill_zero,
     masked_mean,
 )
+from megatron_rl.algorithms.sampling_mask import SamplingMask
 
 ISNormalizer = Literal["all", "kept"]
 
@@ -78,6 +79,10 @@ class LossSpec:
     """KL estimator of the loss term."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (0: entropy is a metric only)."""
+    sampling_mask: SamplingMask | None = None
+    """The engines' top-k / top-p mask the trainer applies to its logits before every logprob (current,
+    proximal, reference), so the policy is the truncated distribution the engines sample from; None: the plain
+    tempered softmax."""
 
     @property
     def uses_proximal(self) -> bool:

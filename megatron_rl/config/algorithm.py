@@ -76,6 +76,10 @@ class AlgorithmConfig(Section):
     max_abs_reward: float = Field(1e6, gt=0)
     """Rewards beyond this magnitude (or not finite) are failures: their group is dropped, counted and logged
     (group statistics lose precision far before float overflow)."""
+    sampling_mask: bool = True
+    """Apply the engines' top-k / top-p mask (`rollout.top_k`, `rollout.top_p`) to the trainer's logits before
+    every logprob, so importance ratios compare the truncated distribution the engines sampled from; off: plain
+    tempered logprobs (only to measure the bias). Nothing changes while top-k and top-p are off."""
     max_skipped_updates_in_a_row: int = Field(5, ge=1)
     """Updates whose loss or gradient norm is not finite are skipped (counted); this many in a row stop the run."""
     forced_lag: int = Field(0, ge=0)

@@ -32,9 +32,13 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer computes its logprobs at the same temperature (logits / temperature), so
     the importance ratios between trainer and engines compare the same distribution."""
+    top_k: int = Field(-1, ge=-1)
+    """Sample from the `top_k` most likely tokens only (after the temperature; ties at the k-th value kept, as
+    vLLM does); -1: off. With `algorithm.sampling_mask` the trainer applies the same mask to its logprobs."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold; must stay 1 for training (the engines' logprobs would be renormalised over the
-    nucleus, which the trainer does not reproduce, biasing every importance ratio downwards)."""
+    """Nucleus sampling: sample from the most likely tokens whose probability (after the temperature and top-k)
+    exceeds `top_p`; 1: off. The engines' logprobs are those of this renormalised set, which the trainer
+    reproduces with `algorithm.sampling_mask` (without it every importance ratio is biased)."""
     samples_per_prompt: int = Field(4, ge=1)
     """Responses per prompt (the group size of group-relative advantages)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -57,14 +61,11 @@ class RolloutConfig(Section):
     """Longest an engine restart may take (vLLM start-up included). The trainer waits as long, after a failed
     weight push, for the restart before the push fails for good."""
 
-    @field_validator("top_p")
+    @field_validator("top_k")
     @classmethod
-    def _full_nucleus(cls, value: float) -> float:
-        if value != 1.0:
-            raise ValueError(
-                "must be 1: the engines' logprobs would be renormalised over the nucleus, which the trainer does not"
-                " reproduce, so every importance ratio would be biased"
-            )
+    def _top_k_on_or_off(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (off) or at least 1")
         return value
 
 

@@ -229,6 +229,7 @@ class GenerationDriver:
                 max_tokens=rollout.max_new_tokens,
                 temperature=rollout.temperature,
                 top_p=rollout.top_p,
+                top_k=rollout.top_k,
                 stop_token_ids=[eos] if eos is not None else [],
                 seed=request_seed(self.cfg.trainer.seed, index, sample),
             )

@@ -70,6 +70,8 @@ class GenerationRequest:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
+    """Keep the top_k most likely tokens (after the temperature); -1: off."""
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
@@ -165,8 +167,9 @@ class VLLMEngine:
             distributed_executor_backend="mp" if self.spec.tensor_parallel * self.spec.data_parallel > 1 else None,
             enable_prefix_caching=False,
             disable_log_stats=True,
-            # The sampled tokens' logprobs under the distribution they were drawn from (after temperature), which
-            # the trainer reproduces (BuildOptions.logit_temperature); vLLM's default gives the untempered ones.
+            # The sampled tokens' logprobs under the distribution they were drawn from (after temperature, top-k
+            # and top-p), which the trainer reproduces (BuildOptions.logit_temperature, LossSpec.sampling_mask);
+            # vLLM's default gives the raw ones. It also keeps GPU engines off FlashInfer's sampler.
             logprobs_mode="processed_logprobs",
         )
         try:
@@ -198,6 +201,7 @@ class VLLMEngine:
             max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k if req.top_k > 0 else 0,  # vLLM's own spelling of off
             logprobs=0,
             stop_token_ids=req.stop_token_ids or None,
             ignore_eos=req.ignore_eos,

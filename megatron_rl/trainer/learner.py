@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_rl.algorithms.advantages import compute_advantages
 from megatron_rl.algorithms.kl import sequence_kl
 from megatron_rl.algorithms.objective import LossSpec
+from megatron_rl.algorithms.sampling_mask import SamplingMask
 from megatron_rl.config import AlgorithmConfig, RunConfig
 from megatron_rl.models.base import CheckpointError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
@@ -122,14 +123,16 @@ def train_batch(
     reference=None,
     skips: SkipCounter | None = None,
 ) -> dict:
-    """Every update of one batch (this replica's share): proximal and reference logprobs when needed, KL in the
-    reward, then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`)."""
+    """Every update of one batch (this replica's share): proximal and reference logprobs when needed (under the
+    spec's sampling mask, as the current ones), KL in the reward, then `ppo_epochs` x `ppo_minibatches` updates;
+    the aggregated stats (`aggregate_updates`)."""
     updates = updates_per_batch(algo)
+    mask = spec.sampling_mask
     if spec.uses_proximal and (updates > 1 or spec.kept_mask_matters):
-        batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size)
+        batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size, mask)
     extra = {}
     if reference is not None:
-        ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size)  # last stage only, like the loss
+        ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size, mask)  # last stage only, like the loss
         if ref is not None:
             batch = batch.replace(ref_logprobs=ref.to(batch.behaviour_logprobs.dtype))
     if algo.kl_in == "reward":
@@ -178,7 +181,8 @@ class Learner:
             self.rank.model, cfg.trainer.optimizer, cfg.steps * updates_per_batch(cfg.algorithm)
         )
         self.reference = self._reference_model(opts) if cfg.algorithm.kl_coef > 0 else None
-        self.spec = loss_spec(cfg.algorithm, cfg.rollout.max_new_tokens)
+        sampling = SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p)
+        self.spec = loss_spec(cfg.algorithm, cfg.rollout.max_new_tokens, sampling)
         self.skips = SkipCounter(cfg.algorithm.max_skipped_updates_in_a_row)
 
     def _reference_model(self, opts: BuildOptions):

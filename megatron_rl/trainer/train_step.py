@@ -9,6 +9,9 @@ Who holds what:
 - The training forward returns each TP rank's slice of the logits; the loss function computes the logprobs
   (Megatron's vocab-parallel cross entropy) and the policy's entropy from them (`logprobs.logprobs_and_entropy`),
   so no rank holds full-vocabulary logits under TP.
+- With the engines' top-k / top-p mask (`LossSpec.sampling_mask`) every logprob (training forward, proximal,
+  reference) is taken under the masked distribution (`logprobs.masked_logprobs`: the logits rows are gathered
+  over TP to find the kept set); the entropy stays that of the unmasked tempered distribution.
 - A batch without `proximal_logprobs` under a decoupled loss (one mini-batch: the proximal policy is the current
   one) takes them from this forward, detached: no second pass.
 
@@ -46,29 +49,36 @@ from torch import Tensor
 from megatron_rl.algorithms.masked import as_bool_mask, masked_count, masked_mean
 from megatron_rl.algorithms.metrics import mismatch_metrics
 from megatron_rl.algorithms.objective import LossSpec, denominators, policy_loss
+from megatron_rl.algorithms.sampling_mask import SamplingMask
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import (
     forward_logprobs,
     logprobs_and_entropy,
+    masked_logprobs,
     model_inputs,
     shifted_labels,
     stage_padding_mask,
+    vocab_parallel_entropy,
 )
 from megatron_rl.trainer.optimizer import TrainingState, current_lr, unwrap_model, zero_grads
 
 
-def loss_spec(algo: AlgorithmConfig, max_new_tokens: int | None = None) -> LossSpec:
+def loss_spec(
+    algo: AlgorithmConfig, max_new_tokens: int | None = None, sampling: SamplingMask | None = None
+) -> LossSpec:
     """The objective's settings from the config; `max_new_tokens` is Dr. GRPO's constant when the config names
-    none (`loss_agg_tokens`). KL in the reward leaves no KL term in the loss."""
+    none (`loss_agg_tokens`). KL in the reward leaves no KL term in the loss. `sampling` (the rollout's top-k /
+    top-p) becomes the spec's mask when it can drop tokens and `algorithm.sampling_mask` is on."""
+    mask = sampling if algo.sampling_mask and sampling is not None and sampling.active else None
     return LossSpec(
         kind=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
         gspo_clip_low=algo.gspo_clip_low, gspo_clip_high=algo.gspo_clip_high, correction=algo.correction,
         is_cap=algo.is_cap, is_cap_low=algo.is_cap_low, veto_max=algo.veto_max, veto_min=algo.veto_min,
         is_normalizer=algo.is_normalizer, agg=algo.loss_agg, norm_tokens=algo.loss_agg_tokens or max_new_tokens,
         kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0, kl_kind=algo.kl_estimator,
-        entropy_coef=algo.entropy_coef,
+        entropy_coef=algo.entropy_coef, sampling_mask=mask,
     )  # fmt: skip
 
 
@@ -82,17 +92,22 @@ class Normalizers:
     """The same count over the input mask, for the KL and entropy terms."""
 
 
-def compute_logprobs(model, ctx: ParallelContext, tokens: Tensor, micro_batch_size: int = 1) -> Tensor | None:
-    """Logprobs `[B, S-1]` of `tokens[:, 1:]` under the current weights, on last-stage ranks; None elsewhere.
+def compute_logprobs(
+    model, ctx: ParallelContext, tokens: Tensor, micro_batch_size: int = 1, mask: SamplingMask | None = None
+) -> Tensor | None:
+    """Logprobs `[B, S-1]` of `tokens[:, 1:]` under the current weights (and the engines' `mask`, when given), on
+    last-stage ranks; None elsewhere.
 
     Only the last pipeline stage evaluates the loss, so only it needs these (as proximal logprobs of a batch).
     """
-    return forward_logprobs(model, ctx, tokens, micro_batch_size)
+    return forward_logprobs(model, ctx, tokens, micro_batch_size, mask)
 
 
-def with_proximal_logprobs(model, ctx: ParallelContext, batch: TrainBatch, micro_batch_size: int = 1) -> TrainBatch:
+def with_proximal_logprobs(
+    model, ctx: ParallelContext, batch: TrainBatch, micro_batch_size: int = 1, mask: SamplingMask | None = None
+) -> TrainBatch:
     """The batch with `proximal_logprobs` recomputed under the current weights (last stage; others unchanged)."""
-    logprobs = compute_logprobs(model, ctx, batch.tokens, micro_batch_size)
+    logprobs = compute_logprobs(model, ctx, batch.tokens, micro_batch_size, mask)
     if logprobs is None:
         return batch
     return batch.replace(proximal_logprobs=logprobs.to(batch.behaviour_logprobs.dtype))
@@ -138,11 +153,17 @@ def micro_batch_loss(
 def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float, output_tensor: Tensor):
     """Megatron loss function: vocab-parallel logits `[b, s, V/tp]` -> (scaled loss, what the update keeps)."""
     labels = shifted_labels(mb.tokens)
-    logprobs, entropy = logprobs_and_entropy(output_tensor, labels, entropy_grad=spec.entropy_coef > 0)
+    outside = None
+    if spec.sampling_mask is None:
+        logprobs, entropy = logprobs_and_entropy(output_tensor, labels, entropy_grad=spec.entropy_coef > 0)
+    else:
+        entropy = vocab_parallel_entropy(output_tensor, with_grad=spec.entropy_coef > 0)
+        logprobs, outside = masked_logprobs(output_tensor, labels, spec.sampling_mask)
+        outside = outside[:, :-1]
     logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
     loss, _ = micro_batch_loss(logprobs, mb, spec, norms, entropy)
     # The schedule divides by num_microbatches and DDP by the DP size: `scale` cancels both (module docstring).
-    kept = {"loss": loss.detach(), "logprobs": logprobs.detach(), "entropy": entropy.detach()}
+    kept = {"loss": loss.detach(), "logprobs": logprobs.detach(), "entropy": entropy.detach(), "outside": outside}
     return loss * scale, kept
 
 
@@ -175,11 +196,11 @@ def _micro_batches(batch: TrainBatch, ctx: ParallelContext, micro_batch_size: in
 
 def forward_backward(
     model, ctx: ParallelContext, batch: TrainBatch, spec: LossSpec, micro_batch_size: int
-) -> tuple[float | None, Tensor | None, Tensor | None]:
+) -> tuple[float | None, Tensor | None, Tensor | None, Tensor | None]:
     """Run Megatron's forward-backward over the micro-batches; gradients land in the DDP buffers (reduced).
 
-    Returns (this share's loss, its current logprobs `[B, S-1]`, its entropy `[B, S-1]`) on last-stage ranks,
-    (None, None, None) elsewhere.
+    Returns (this share's loss, its current logprobs `[B, S-1]`, its entropy `[B, S-1]`, which labels fell outside
+    the sampling mask `[B, S-1]` or None without one) on last-stage ranks, (None, None, None, None) elsewhere.
     """
 
     norms = global_normalizers(batch, spec, ctx) if ctx.is_last_stage else None
@@ -196,10 +217,11 @@ def forward_backward(
         forward_only=False,
     )
     if not ctx.is_last_stage:
-        return None, None, None
+        return None, None, None, None
     loss = float(sum(float(out["loss"]) for out in outputs))
     logprobs = torch.cat([out["logprobs"] for out in outputs], dim=0)
-    return loss, logprobs, torch.cat([out["entropy"] for out in outputs], dim=0)
+    outside = None if spec.sampling_mask is None else torch.cat([out["outside"] for out in outputs], dim=0)
+    return loss, logprobs, torch.cat([out["entropy"] for out in outputs], dim=0), outside
 
 
 def _everyone_finite(ctx: ParallelContext, local_loss: float | None) -> bool:
@@ -240,12 +262,12 @@ def train_step(
     if batch.batch_size % micro_batch_size:
         raise ValueError(f"batch of {batch.batch_size} is not divisible by micro_batch_size {micro_batch_size}")
     zero_grads(state)
-    local_loss, logprobs, entropy = forward_backward(state.model, ctx, batch, spec, micro_batch_size)
+    local_loss, logprobs, entropy, outside = forward_backward(state.model, ctx, batch, spec, micro_batch_size)
     lr = current_lr(state.optimizer)
     stepped, grad_norm, num_zeros = _guarded_optimizer_step(state, _everyone_finite(ctx, local_loss))
     stats = None
     if ctx.is_last_stage:
-        stats = _global_batch_stats(ctx, batch, logprobs, entropy, local_loss, spec)
+        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside), local_loss, spec)
     stats = broadcast_from_owner(ctx, stats)
     stats.update(grad_norm=grad_norm, lr=lr, update_successful=float(stepped), **{"guard/skipped": float(not stepped)})
     if num_zeros is not None:
@@ -259,21 +281,25 @@ def _stats_owner(ctx: ParallelContext) -> int:
 
 
 def _global_batch_stats(
-    ctx: ParallelContext, batch: TrainBatch, logprobs: Tensor, entropy: Tensor, local_loss: float, spec: LossSpec
+    ctx: ParallelContext, batch: TrainBatch, outputs: tuple, local_loss: float, spec: LossSpec
 ) -> dict[str, float] | None:
-    """On the owner: stats of the whole global batch from every DP share; None on other last-stage ranks."""
+    """On the owner: stats of the whole global batch from every DP share (`outputs`: this share's logprobs,
+    entropy and labels outside the sampling mask, or None); None on other last-stage ranks."""
     loss = torch.tensor([local_loss], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(loss, group=ctx.dp_group)
     if ctx.tp_rank != 0:
         return None
-    share = (batch.to("cpu"), logprobs.cpu(), entropy.cpu())
+    share = (batch.to("cpu"), *(None if t is None else t.cpu() for t in outputs))
     gathered = [None] * ctx.layout.data_parallel if ctx.dp_rank == 0 else None
     dist.gather_object(share, gathered, group=ctx.dp_group, group_dst=0)
     if ctx.dp_rank != 0:
         return None
-    full = concat_batches([b for b, _, _ in gathered])
-    current = torch.cat([lp for _, lp, _ in gathered], dim=0)
-    stats = batch_stats(current, full, spec, torch.cat([e for _, _, e in gathered], dim=0))
+    full = concat_batches([g[0] for g in gathered])
+    current, entropy = (torch.cat([g[i] for g in gathered], dim=0) for i in (1, 2))
+    stats = batch_stats(current, full, spec, entropy)
+    if spec.sampling_mask is not None:
+        outside = torch.cat([g[3] for g in gathered], dim=0)
+        stats["policy/outside_mask_frac"] = float(masked_mean(outside.double(), as_bool_mask(full.loss_mask)))
     stats["loss"] = float(loss.item())
     return stats
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.algorithms.sampling_mask import SamplingMask, masked_log_softmax
 from megatron_rl.models import family_for_hf_config, read_hf_config
 from megatron_rl.parallel.layout import ParallelLayout, check_layout_fits_model
 from megatron_rl.parallel.torchrun import run_torchrun
@@ -23,17 +24,22 @@ def parity_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch
 
 
 def hf_logprobs(
-    hf_dir: str | Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32, temperature: float = 1.0
+    hf_dir: str | Path,
+    tokens: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    temperature: float = 1.0,
+    mask: SamplingMask | None = None,
 ) -> torch.Tensor:
     """Log-probs [batch, seq-1] of tokens[:, 1:] under the checkpoint loaded by transformers' own model class (its
-    logits divided by `temperature`)."""
+    logits divided by `temperature`, and with `mask` restricted to the engines' top-k / top-p set: -inf outside)."""
     from transformers import AutoModelForCausalLM  # seconds to import; the torchrun workers use this module without it
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()
-    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+    mask = mask or SamplingMask()
+    logp = masked_log_softmax(logits[:, :-1], temperature, mask.top_k, mask.top_p)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
@@ -41,19 +47,25 @@ ParityCase = tuple  # (hf_dir, ParallelLayout, mcore_dir or None)
 
 
 def megatron_logprobs_many(
-    cases: list[ParityCase], tokens: list[torch.Tensor], timeout_s: float = 900.0, temperature: float = 1.0
+    cases: list[ParityCase],
+    tokens: list[torch.Tensor],
+    timeout_s: float = 900.0,
+    temperature: float = 1.0,
+    mask: SamplingMask | list[SamplingMask] | None = None,
 ) -> tuple[list[torch.Tensor], float]:
     """Megatron's logprobs for each (hf_dir, layout, mcore_dir) case (logits divided by `temperature`, for HF
-    cases); one torchrun launch per world size."""
+    cases, and under the engines' top-k / top-p `mask` when given: one for every case or one per case); one
+    torchrun launch per world size."""
+    masks = mask if isinstance(mask, list) else [mask or SamplingMask()] * len(cases)
     results: list[torch.Tensor | None] = [None] * len(cases)
     seconds = 0.0
     with tempfile.TemporaryDirectory(prefix="mrl-parity-") as tmp:
         by_world: dict[int, list[dict]] = {}
-        for i, ((hf_dir, layout, mcore_dir), toks) in enumerate(zip(cases, tokens)):
+        for i, ((hf_dir, layout, mcore_dir), toks, m) in enumerate(zip(cases, tokens, masks, strict=True)):
             torch.save(toks, Path(tmp) / f"tokens{i}.pt")
             by_world.setdefault(layout.world_size, []).append(
                 {"hf": str(hf_dir), "mcore": mcore_dir and str(mcore_dir), "layout": layout.__dict__,
-                 "temperature": temperature,
+                 "temperature": temperature, "top_k": m.top_k, "top_p": m.top_p,
                  "tokens": str(Path(tmp) / f"tokens{i}.pt"), "out": str(Path(tmp) / f"out{i}.pt"), "index": i}
             )  # fmt: skip
         for world, world_cases in sorted(by_world.items()):

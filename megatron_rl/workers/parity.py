@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.algorithms.sampling_mask import SamplingMask
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.trainer.logprobs import forward_logprobs
 from megatron_rl.trainer.model import BuildOptions
@@ -22,7 +23,8 @@ def run_case(case: dict) -> None:
     else:
         temperature = float(case.get("temperature", 1.0))
         rank = bring_up_from_hf(case["hf"], layout, BuildOptions(logit_temperature=temperature, init_weights=False))
-    logprobs = forward_logprobs(rank.model, rank.ctx, torch.load(case["tokens"]))
+    mask = SamplingMask(int(case.get("top_k", -1)), float(case.get("top_p", 1.0)))
+    logprobs = forward_logprobs(rank.model, rank.ctx, torch.load(case["tokens"]), mask=mask)
     if logprobs is not None and rank.ctx.tp_rank == 0 and rank.ctx.dp_rank == 0:
         torch.save(logprobs.cpu(), case["out"])
 
