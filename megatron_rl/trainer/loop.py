@@ -27,7 +27,7 @@ from megatron_rl.parallel.groups import destroy_distributed
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
-from megatron_rl.run_state import is_due, mark_latest, step_dir, write_run_state
+from megatron_rl.run_state import is_due, save_run_checkpoint
 from megatron_rl.trainer.batch import TrainBatch, groups_to_batch, replica_share
 from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
@@ -183,17 +183,17 @@ class TrainerLoop:
             log.warning("%s: the run ends before steps=%d", self.end_message, cfg.steps)
 
     def save_checkpoint(self, step: int) -> None:
-        """(Every rank) the whole-run checkpoint of `step`: trainer state, RNG, buffer contents and data position."""
-        folder = step_dir(self.cfg.checkpoint.save_dir, step)
+        """(Every rank) the whole-run checkpoint of `step`: trainer state, RNG, buffer contents and data position,
+        staged and committed by `run_state.save_run_checkpoint` (a failed save leaves the previous one in charge);
+        with `checkpoint.export_hf`, the policy as a Hugging Face folder inside it too."""
+        ckpt = self.cfg.checkpoint
+        buffer_state = (lambda: ray.get(self.buffer.state_dict.remote(), timeout=120)) if self.is_rank0 else None
+        export = (lambda folder: self.export_hf(folder / CHECKPOINT_EXPORT_DIR, step)) if ckpt.export_hf else None
         with self.heartbeat.during(step, f"saving the checkpoint of step {step}"):
-            self.learner.save(folder, step)
-        if self.cfg.checkpoint.export_hf:
-            self.export_hf(folder / CHECKPOINT_EXPORT_DIR, step)
-        if self.is_rank0:
-            write_run_state(folder, step, ray.get(self.buffer.state_dict.remote(), timeout=120))
-        dist.barrier()
-        if self.is_rank0:
-            mark_latest(self.cfg.checkpoint.save_dir, folder)
+            save_run_checkpoint(
+                ckpt.save_dir, step, ckpt.keep_last, lambda folder: self.learner.save(folder, step), buffer_state,
+                write_more=export,
+            )  # fmt: skip
         self.saved_step = step
 
     def export_hf(self, folder: Path, step: int) -> None:

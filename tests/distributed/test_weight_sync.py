@@ -72,6 +72,7 @@ def test_into_a_data_parallel_expert_parallel_engine_every_replica_reports_and_r
     assert report["received_in_place_per_sync"][-1]["engine-0"] == 48  # 2 layers x 4 experts x 3, on each
 
 
+@pytest.mark.slow
 def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
     report = run_sync_check(
         tiny_dir("qwen3_moe"), ParallelLayout(pp=2), engines=2, syncs=2, inflight_requests=4, inflight="abort"
@@ -87,6 +88,7 @@ def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
     assert sum(i["continued"] for i in report["inflight"]) > 0, report["inflight"]
 
 
+@pytest.mark.slow
 def test_dead_engine_fails_the_sync_within_its_timeout_and_is_named(tiny_dir):
     start = time.monotonic()
     with pytest.raises(LaunchError, match="engine-1") as info:

@@ -24,6 +24,7 @@ def run_bench(script: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_weight_sync_bench_reports_sync_and_plain_broadcast():
     result = run_bench("weight_sync.py", "--layers", "2", "--hidden", "256", "--bucket-mb", "1", "--repeats", "2")
     assert result["bytes"] == result["model_parameters"] * 4  # fp32

@@ -105,6 +105,7 @@ def _saving(save_dir: Path, step: int) -> bool:
     return staging.exists() or (final.exists() and _latest(save_dir) != final.name)
 
 
+@pytest.mark.slow
 def test_trainer_killed_during_a_save_fails_the_job_and_resumes_from_the_previous_checkpoint(tmp_path):
     """In `sync` mode (with the KL penalty to a frozen reference model, which a resume rebuilds too): rank 1 is
     frozen (SIGSTOP) as soon as the save of step 4 has begun, so that the save cannot finish, then SIGKILLed."""
@@ -151,6 +152,7 @@ def test_trainer_killed_during_a_save_fails_the_job_and_resumes_from_the_previou
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000002", "step_00000004"]
 
 
+@pytest.mark.slow
 def test_dead_engine_is_restarted_resynced_and_its_prompts_requeued(tmp_path):
     run_dir = tmp_path / "engine-fault"
     steps = 10  # enough that the run is still generating when the engine dies after its first step
@@ -215,6 +217,7 @@ def test_hung_engine_is_killed_restarted_and_its_prompts_requeued(tmp_path):
     assert all(r["version"] == r["step"] for r in read_metrics(run_dir / "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_run_control_actor_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path):
     run_dir = tmp_path / "control-fault"
     steps = 5
@@ -241,6 +244,7 @@ def test_run_control_actor_killed_mid_run_is_restarted_and_the_run_finishes(tmp_
     _exactly_once(summary, steps)
 
 
+@pytest.mark.slow
 def test_buffer_actor_death_stops_the_run_clearly_and_resume_finishes_it(tmp_path):
     """The buffer holds the rollouts (it is checkpointed, not replicated): its death ends the run with an error
     that names it, and `--resume` continues from the last checkpoint, counting every prompt once."""
@@ -285,6 +289,7 @@ exit $rc
 outlive the command nor be seen outside), and copy what it holds to COPY_TO at the end."""
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (tmpfs)")
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
     save_dir, kept = tmp_path / "small-disk", tmp_path / "kept"

@@ -38,6 +38,7 @@ def assert_ray_stopped(stderr: str) -> Path:
     return state
 
 
+@pytest.mark.slow
 def test_torchrun_sh_runs_two_steps(tmp_path):
     result = launch(["configs/quickstart.yaml", "steps=2", f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny"])
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"

@@ -114,6 +114,7 @@ def is_loopback(address: str) -> bool:
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("ip")), reason="needs root, unshare and ip"
 )

@@ -15,6 +15,7 @@ import torch
 from megatron_rl import launcher
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.trainer import COLLECTIVE_TIMEOUT_MARGIN_S
+from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.driver import GenerationError
 from megatron_rl.run_state import ResumeError, mark_latest, step_dir, write_run_state
 from megatron_rl.trainer import learner, loop
@@ -83,6 +84,7 @@ def _run(cfg, buffer=None, rank0: bool = True, step: int = 0) -> TrainerLoop:
     run.buffer = Local(buffer) if buffer is not None else None
     run.control = Local(Control())
     run.sync = NoRosterChange()
+    run.heartbeat = TrainerHeartbeat(None)
     return run
 
 
@@ -196,6 +198,9 @@ def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
         def end_out_of_prompts(self):
             self.calls.append(("out of prompts", self.step))
 
+        def export_hf(self, folder, step):
+            self.calls.append(("export", step, folder.name))
+
         def close(self):
             self.calls.append(("close", self.step))
             made.append(self)
@@ -203,8 +208,8 @@ def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
     made: list[FakeRun] = []
     monkeypatch.setattr(loop, "TrainerLoop", FakeRun)
     monkeypatch.setattr(loop, "to_train_batch", lambda groups, cfg, learner: groups)
-    loop.run_loop(_cfg("steps=5"), {})
-    assert made[0].calls == [("step", 1), ("step", 2), ("out of prompts", 2), ("close", 2)]
+    loop.run_loop(_cfg("steps=5"), {"run_dir": "/nowhere/run"})
+    assert made[0].calls == [("step", 1), ("step", 2), ("out of prompts", 2), ("export", 2, "hf"), ("close", 2)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -331,6 +336,7 @@ def _push_loop(model, lag: int):
     fake = types.SimpleNamespace(state=types.SimpleNamespace(model=model))
     run.sync = RecordingSync(model)
     run.lagged = loop.LaggedWeights(model, lag)
+    run.heartbeat = TrainerHeartbeat(None)
     return run
 
 
