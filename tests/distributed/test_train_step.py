@@ -35,6 +35,9 @@ MINIBATCHES = {**DECOUPLED, "ppo_minibatches": 4, "ppo_epochs": 1}
 ENTROPY = {**DECOUPLED, "entropy_coef": 0.05, "loss_agg": "seq_mean_token_sum"}
 KL_REWARD = {**DECOUPLED, "kl_in": "reward", "kl_coef": 0.5, "kl_estimator": "k1", "advantage": "grpo"}
 CISPO_DRGRPO = {"loss": "cispo", "correction": "mis", "is_cap": 1.5, "loss_agg": "seq_mean_token_sum_norm"}
+SAMPLING = {"top_k": 400, "top_p": 0.9}
+"""A mask that keeps about two thirds of the tiny models' near-uniform 512 tokens: random labels fall on both
+sides of it, so the masked logprobs and the labels kept in the set although outside it are both exercised."""
 # Linear decay over 4 steps: the second step's lr (0.75e-3) shows the scheduler state survives a resume.
 OPTIM = {"lr": 1e-3, "lr_decay_style": "linear", "clip_grad": 1.0, "weight_decay": 0.01}
 
@@ -178,6 +181,8 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         _case("guard", root, moe, {}, [*bad, files["moe1"]], eval_path),
         _case("guard-clean", root, moe, {}, [files["moe1"]], eval_path),
         _case("neginf", root, moe, {}, [neginf], eval_path),
+        moe_case("moe-mask-1x1x1", {}, sampling=SAMPLING),
+        moe_case("moe-mask-mb4-1x1x1", {}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING),
     ]
     world2 = [moe_case(f"moe-{name}", layout) for name, layout in LAYOUTS.items() if name != "ep2"]
     world2 += [
@@ -196,6 +201,8 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         moe_case("moe-klreward-ep2", LAYOUTS["ep2"], algo=KL_REWARD),
         moe_case("moe-cispo-ep2", LAYOUTS["ep2"], algo=CISPO_DRGRPO),
         _case("guard-ep2", root, moe, LAYOUTS["ep2"], [*bad, files["moe1"]], eval_path),
+        moe_case("moe-mask-tp2", {"tp": 2}, sampling=SAMPLING),
+        moe_case("moe-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING),
     ]
     world2 += [
         _case(f"resume-{name}", root, moe, LAYOUTS[name], moe_batches[1:], eval_path, load_dir=ckpt)
@@ -494,3 +501,21 @@ def test_replica_rows_give_every_layout_the_same_minibatches():
     assert replica_rows(16, 1, 2).tolist() == list(range(8, 16))  # one mini-batch: the contiguous slice
     with pytest.raises(ValueError, match="ppo_minibatches=3"):
         replica_rows(16, 0, 2, 3)
+
+
+def test_the_sampling_mask_matches_across_tp_and_changes_the_update(reports):
+    """The engines' top-k / top-p mask on every logprob (training forward, proximal pass of the mini-batches,
+    the eval logprobs) at TP2, where the kept set needs the gathered vocabulary rows, equals the unsharded run;
+    it changes the loss but not the entropy (of the unmasked distribution), and raises every logprob (a label
+    outside the set is kept in it, so nothing is -inf)."""
+    masked, plain = reports["moe-mask-1x1x1"], reports["moe-1x1x1"]
+    _check_match(masked, reports["moe-mask-tp2"])
+    _check_match(reports["moe-mask-mb4-1x1x1"], reports["moe-mask-mb4-tp2"])
+    first = masked["steps"][0]
+    assert first["policy/entropy"] == pytest.approx(plain["steps"][0]["policy/entropy"], rel=1e-6)
+    assert abs(first["loss"] - plain["steps"][0]["loss"]) > 1e-3
+    assert 0.05 < first["policy/outside_mask_frac"] < 0.8, first["policy/outside_mask_frac"]
+    assert reports["moe-mask-tp2"]["steps"][0]["policy/outside_mask_frac"] == first["policy/outside_mask_frac"]
+    assert "policy/outside_mask_frac" not in plain["steps"][0]
+    lifted = masked["evals"][0] - plain["evals"][0]
+    assert bool(torch.isfinite(masked["evals"][0]).all()) and float(lifted.min()) > 0

@@ -5,6 +5,8 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
     layout        ParallelLayout fields
     algo          AlgorithmConfig fields (mini-batches, KL in the reward, guards: all as the learner runs them)
     proximal_pass (optional) compute proximal logprobs with a separate forward even for one mini-batch
+    sampling      (optional) {"top_k", "top_p"}: the engines' sampling mask, applied to every logprob (the eval
+                  logprobs too)
     optimizer     OptimizerConfig fields
     micro_batch_size, total_steps (LR schedule length), moe_aux_loss_coeff (default 0)
     batches       paths of saved global batches (dicts of TrainBatch fields), one per step
@@ -25,6 +27,7 @@ import time
 
 import torch
 
+from megatron_rl.algorithms.sampling_mask import SamplingMask
 from megatron_rl.config import AlgorithmConfig, OptimizerConfig
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.trainer.batch import TrainBatch, replica_share
@@ -46,13 +49,14 @@ def _stats_owner(ctx) -> bool:
     return ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
 
 
-def _one_step(state, ctx, batch, algo, mbs: int, proximal_pass: bool) -> dict:
+def _one_step(state, ctx, batch, algo, mbs: int, proximal_pass: bool, mask: SamplingMask) -> dict:
     """Shard the global batch for this DP rank and train on it as the learner does (`train_batch`)."""
     share = replica_share(batch, ctx.dp_rank, ctx.layout.data_parallel, algo.ppo_minibatches)
+    spec = loss_spec(algo, max_new_tokens=24, sampling=mask)
     if proximal_pass:
-        share = with_proximal_logprobs(state.model, ctx, share, mbs)
+        share = with_proximal_logprobs(state.model, ctx, share, mbs, spec.sampling_mask)
     start = time.perf_counter()
-    stats = train_batch(state, ctx, share, algo, loss_spec(algo, max_new_tokens=24), mbs)
+    stats = train_batch(state, ctx, share, algo, spec, mbs)
     stats["seconds"] = time.perf_counter() - start
     return stats
 
@@ -89,11 +93,12 @@ def run_case(case: dict) -> None:
     if case.get("load_dir"):
         _load(state, case)
     eval_tokens = torch.load(case["eval_tokens"], weights_only=True)
-    evals = [compute_logprobs(state.model, ctx, eval_tokens, mbs)]
+    mask = SamplingMask(**case.get("sampling", {}))
+    evals = [compute_logprobs(state.model, ctx, eval_tokens, mbs, mask)]
     steps = []
     for i, path in enumerate(case["batches"]):
-        steps.append(_one_step(state, ctx, load_batch(path), algo, mbs, bool(case.get("proximal_pass"))))
-        evals.append(compute_logprobs(state.model, ctx, eval_tokens, mbs))
+        steps.append(_one_step(state, ctx, load_batch(path), algo, mbs, bool(case.get("proximal_pass")), mask))
+        evals.append(compute_logprobs(state.model, ctx, eval_tokens, mbs, mask))
         if case.get("save_dir") and case.get("save_after") == i + 1:
             _save(state, rank, case, i + 1)
     if _stats_owner(ctx):
