@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from megatron_rl.metrics.logger import read_metrics
+from tests.support.processes import descendants, titled_below
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 
@@ -55,30 +56,11 @@ def _wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | N
         time.sleep(0.5)
 
 
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def _trainer_rank(launcher_pid: int, rank: int) -> psutil.Process | None:
     """The torchrun worker process of `rank` under the launcher (not the torchrun agent itself)."""
-    for proc in _descendants(launcher_pid):
+    for proc in descendants(launcher_pid):
         try:
             if "megatron_rl.trainer.loop" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == str(rank):
-                return proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
-
-
-def _actor(launcher_pid: int, prefix: str) -> psutil.Process | None:
-    """The Ray actor process of this run titled `prefix` (Ray titles them `ray::VLLMEngine...`, `ray::RunControl...`).
-    Only the run's own processes are looked at: other runs on the machine have actors of the same names."""
-    for proc in _descendants(launcher_pid):
-        try:
-            if " ".join(proc.cmdline()).startswith(prefix):
                 return proc
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -160,7 +142,7 @@ def test_dead_engine_is_restarted_resynced_and_its_prompts_requeued(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: _steps_logged(run_dir) >= 1, 600, "a trained step", proc)
-        engine = _actor(proc.pid, "ray::VLLMEngine")
+        engine = titled_below(proc.pid, "ray::VLLMEngine")
         assert engine is not None, "no ray::VLLMEngine process found"
         engine.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=600)
@@ -198,7 +180,7 @@ def test_hung_engine_is_killed_restarted_and_its_prompts_requeued(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: _steps_logged(run_dir) >= 1, 600, "a trained step", proc)
-        engine = _actor(proc.pid, "ray::VLLMEngine")
+        engine = titled_below(proc.pid, "ray::VLLMEngine")
         assert engine is not None, "no ray::VLLMEngine process found"
         engine.send_signal(signal.SIGSTOP)
         out, err = proc.communicate(timeout=900)
@@ -225,12 +207,12 @@ def test_run_control_actor_killed_mid_run_is_restarted_and_the_run_finishes(tmp_
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: _steps_logged(run_dir) >= 2, 600, "two trained steps", proc)
-        control = _actor(proc.pid, "ray::RunControl")
+        control = titled_below(proc.pid, "ray::RunControl")
         assert control is not None, "no ray::RunControl process found"
         control.send_signal(signal.SIGKILL)
 
         def restarted() -> bool:
-            again = _actor(proc.pid, "ray::RunControl")
+            again = titled_below(proc.pid, "ray::RunControl")
             return again is not None and again.pid != control.pid
 
         _wait_for(restarted, 120, "Ray to restart the run control", proc)
@@ -256,7 +238,7 @@ def test_buffer_actor_death_stops_the_run_clearly_and_resume_finishes_it(tmp_pat
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: _latest(save_dir) == "step_00000002", 600, "the step-2 checkpoint", proc)
-        buffer = _actor(proc.pid, "ray::RolloutBuffer")
+        buffer = titled_below(proc.pid, "ray::RolloutBuffer")
         assert buffer is not None, "no ray::RolloutBuffer process found"
         killed_at = time.monotonic()
         buffer.send_signal(signal.SIGKILL)

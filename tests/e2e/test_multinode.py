@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.support.processes import titled_below
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -168,21 +169,6 @@ def test_two_torchrun_agents_meet_through_c10d_rendezvous(tmp_path, short_dir):
     assert all("group_world_size=2" in procs.log(n) for n in ranks)
 
 
-def _titled_below(pid: int, prefix: str) -> bool:
-    """Whether a process below `pid` has a command line starting with `prefix` (Ray titles actors `ray::Class`)."""
-    try:
-        below = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return False
-    for proc in below:
-        try:
-            if " ".join(proc.cmdline()).startswith(prefix):
-                return True
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return False
-
-
 def test_a_two_node_ray_cluster_runs_the_engine_on_the_worker_node(tmp_path, short_dir):
     port = _free_port()
     head_state, worker_state, run_dir = short_dir(), short_dir(), tmp_path / "two-node-ray"
@@ -204,8 +190,8 @@ def test_a_two_node_ray_cluster_runs_the_engine_on_the_worker_node(tmp_path, sho
         )  # fmt: skip
         deadline = time.monotonic() + 1200
         while launcher.poll() is None:  # each node's processes descend from its `ray start --block`
-            on_worker = on_worker or _titled_below(worker_pid, "ray::VLLMEngine")
-            on_head = on_head or _titled_below(head_pid, "ray::VLLMEngine")
+            on_worker = on_worker or titled_below(worker_pid, "ray::VLLMEngine") is not None
+            on_head = on_head or titled_below(head_pid, "ray::VLLMEngine") is not None
             assert time.monotonic() < deadline, "the run did not finish within 1200 s"
             time.sleep(1)
         assert launcher.returncode == 0, procs.log("launcher")[-3000:]
