@@ -48,9 +48,8 @@ def write_hf_checkpoint(
     return total
 
 
-def hf_dtypes(hf_dir: str | Path) -> dict[str, str]:
+def hf_dtypes(ckpt: HFCheckpoint) -> dict[str, str]:
     """Tensor name -> dtype name of a HF checkpoint, read from its safetensors headers (no tensor data loaded)."""
-    ckpt = HFCheckpoint(hf_dir)
     return {name: ckpt.dtype_of(name) for name in ckpt.names()}
 
 
@@ -64,6 +63,6 @@ def export_hf_folder(model, family: ModelFamily, arch: ModelArch, ctx: ParallelC
         if ctx.rank == 0:
             holder[0] = str(stack.enter_context(staging_folder(out, overwrite=True, protect=[hf_dir])))
         dist.broadcast_object_list(holder, src=0)
-        nbytes = write_hf_checkpoint(model, family, arch, ctx, holder[0], hf_dir, hf_dtypes(hf_dir))
+        nbytes = write_hf_checkpoint(model, family, arch, ctx, holder[0], hf_dir, hf_dtypes(HFCheckpoint(hf_dir)))
     dist.barrier()  # rank 0 renamed it: `out` is whole on every rank's return
     return nbytes

@@ -31,7 +31,7 @@ def hf_to_mcore(spec: dict) -> None:
     with phase("headers"):
         hf_config = read_hf_config(spec["hf"])
         ckpt = HFCheckpoint(spec["hf"])
-        dtypes = hf_dtypes(spec["hf"])
+        dtypes = hf_dtypes(ckpt)
     model_dtype = "bfloat16" if "bfloat16" in dtypes.values() else "float32"
     with phase("build"):
         opts = BuildOptions(dtype=model_dtype, init_weights=False)
