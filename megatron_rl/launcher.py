@@ -9,6 +9,7 @@ reward curve and a summary.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.ray_utils import join_ray, start_local_ray
 from megatron_rl.rollout.supervisor import EngineSupervisor
 from megatron_rl.rollout.tasks import BUILTIN_TASKS, PromptStream, load_tokenizer, make_eval_prompts, make_task
+from megatron_rl.rollout.teacher import TeacherScorer, check_teacher, teacher_specs
 from megatron_rl.run_state import (
     ResumeError,
     latest_checkpoint,
@@ -79,6 +81,15 @@ def engine_specs(cfg: RunConfig, hf_path: str) -> list:
         )
         for i in range(r.num_engines)
     ]  # fmt: skip
+
+
+def start_teacher_scorer(cfg: RunConfig, teachers: EnginePool | None) -> TeacherScorer | None:
+    """Wait for the teacher engines (created with the student's) and return their scorer; None without a teacher."""
+    if teachers is None:
+        return None
+    teachers.wait_started()
+    restart = functools.partial(teachers.restart, timeout_s=cfg.rollout.restart_timeout_s)
+    return TeacherScorer(teachers.actors, restart, cfg.distill.request_timeout_s, cfg.rollout.max_engine_restarts)
 
 
 class LocalTrainerJob:
@@ -217,17 +228,21 @@ def run_training(
     )
     buffer = start_buffer(cfg, task, run_state)
     pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
+    teachers = EnginePool(teacher_specs(cfg), cpus_per_engine=0.5) if cfg.distill.enabled else None
+    pools = [p for p in (pool, teachers) if p is not None]  # teachers are never synced: not in the trainer's roster
     job = None
     try:
-        pool.create()  # vLLM loads while the trainer starts: neither waits for the other until the first sync
+        for engines in pools:  # vLLM loads while the trainer starts: neither waits for the other until the first sync
+            engines.create()
         control = make_control_actor([(h.name, h.workers) for h in pool.handles()])
         spec = trainer_spec(cfg, ray_info["address"], pool, run_dir, resume_from)
         write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
         job = start_trainer_job(cfg, spec_path, log_dir, control, external_trainer)
         pool.wait_started()
+        scorer = start_teacher_scorer(cfg, teachers)
         console.say("engines up; training (one line per step)")
         driver = GenerationDriver(
-            buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness)
+            buffer, dict(pool.actors), task, tokenizer, cfg, mode_lag(cfg.mode, cfg.buffer.max_staleness), scorer
         )
         supervisor = EngineSupervisor(
             pool, driver, control, buffer, cfg.rollout.max_engine_restarts,
@@ -235,13 +250,7 @@ def run_training(
         )  # fmt: skip
         follower = MetricsFollower(run_dir / "metrics.jsonl", cfg.steps, console)
         evaluation = eval_runner(cfg, task, tokenizer, driver, run_dir, console)
-
-        def on_poll() -> None:
-            follower.poll()
-            if evaluation is not None:
-                evaluation.poll(driver.trainer_version)
-
-        asyncio.run(_drive(driver, supervisor, job, on_poll=on_poll))
+        asyncio.run(_drive(driver, supervisor, job, on_poll=functools.partial(_poll, follower, evaluation, driver)))
         follower.poll()
         job.check()
         outcome = {
@@ -252,12 +261,27 @@ def run_training(
     finally:
         if job is not None:
             job.stop()
-        engine_names = pool.pids()
-        pool.shutdown()
-        collect_ray_logs(ray_info.get("temp_dir"), engine_names, log_dir)
+        stop_engines(pools, ray_info.get("temp_dir"), log_dir)
     summary = summarize(cfg, run_dir, time.perf_counter() - start, resume_from, outcome, driver, supervisor, task)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _poll(follower: MetricsFollower, evaluation: EvalRunner | None, driver) -> None:
+    """What the launcher does while the trainer runs: the console's step lines and the due evaluations."""
+    follower.poll()
+    if evaluation is not None:
+        evaluation.poll(driver.trainer_version)
+
+
+def stop_engines(pools: list[EnginePool], ray_temp_dir: str | None, log_dir: Path) -> None:
+    """Shut down every engine pool (the student's and the teacher's) and keep their Ray logs, by engine name."""
+    names: dict[int, str] = {}
+    for engines in pools:
+        names |= engines.pids()
+    for engines in pools:
+        engines.shutdown()
+    collect_ray_logs(ray_temp_dir, names, log_dir)
 
 
 def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
@@ -268,6 +292,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
     hf_path = ensure_model(cfg)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
     tokenizer = load_tokenizer(hf_path)
+    if cfg.distill.enabled:
+        check_teacher(hf_path, cfg.distill.teacher_path)  # before any engine starts: refused at start-up
     task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
     truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end
@@ -343,4 +369,5 @@ def summarize(
         "reward_best": max((r["reward/mean"] for r in records), default=None),
         "accounting": outcome["accounting"], "driver": vars(driver.stats), "engine_restarts": supervisor.restarts,
         "engine_restart_reasons": supervisor.reasons, "engines": outcome["engines"], "task": task.report(),
+        "teacher": driver.teacher.report() if driver.teacher is not None else None,
     }  # fmt: skip

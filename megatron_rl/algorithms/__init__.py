@@ -13,7 +13,7 @@ from megatron_rl.algorithms.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
-from megatron_rl.algorithms.distill import reverse_kl_rewards, sequence_reverse_kl
+from megatron_rl.algorithms.distill import distill_advantages, reverse_kl_rewards, reverse_kl_sums, sequence_reverse_kl
 from megatron_rl.algorithms.entropy import entropy_from_logits
 from megatron_rl.algorithms.importance import (
     CORRECTIONS,
@@ -72,6 +72,7 @@ __all__ = [
     "clip_stats",
     "clip_surrogate",
     "compute_advantages",
+    "distill_advantages",
     "denominators",
     "effective_sample_size",
     "entropy_from_logits",
@@ -97,6 +98,7 @@ __all__ = [
     "policy_loss",
     "ppo_token_loss",
     "reverse_kl_rewards",
+    "reverse_kl_sums",
     "rloo_advantages",
     "sequence_kl",
     "sequence_log_ratio",

@@ -1,10 +1,16 @@
-"""On-policy distillation signals: per-token reverse-KL rewards of a student against a teacher."""
+"""On-policy distillation signals: per-token reverse-KL rewards of a student against a teacher, the per-token
+advantage that mixes them with the task reward's, and the reverse-KL figures a step reports.
+
+Both logprobs are of the untempered, untruncated distributions (temperature 1, no top-k / top-p): the teacher's
+come from vLLM prompt logprobs, which are never tempered, so the student's must be computed the same way."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from megatron_rl.algorithms.masked import as_float, masked_fill_zero
+from megatron_rl.algorithms.advantages import broadcast_to_tokens
+from megatron_rl.algorithms.masked import as_float, masked_count, masked_fill_zero, masked_max, masked_sum
 
 
 def reverse_kl_rewards(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -20,3 +26,33 @@ def reverse_kl_rewards(student_logprobs: Tensor, teacher_logprobs: Tensor, mask:
 def sequence_reverse_kl(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
     """Per-sequence estimate of the reverse KL, sum over masked tokens of `student - teacher` (`[batch]`)."""
     return -reverse_kl_rewards(student_logprobs, teacher_logprobs, mask).sum(-1)
+
+
+def distill_advantages(
+    reward_advantages: Tensor,
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    use_reward: bool = True,
+) -> Tensor:
+    """Per-token advantages `[batch, seq]`: `use_reward * A_reward - kl_coef * (student - teacher)`, detached,
+    0 outside `mask`.
+
+    `reward_advantages` is `[batch]` (one per sequence, broadcast over its tokens) or `[batch, seq]`; with
+    `use_reward` False it is left out (pure distillation). The result is what the policy loss takes as its
+    advantages, under its usual importance correction.
+    """
+    distill = kl_coef * reverse_kl_rewards(student_logprobs, teacher_logprobs, mask)
+    if not use_reward:
+        return distill
+    base = reward_advantages if reward_advantages.dim() == 2 else broadcast_to_tokens(reward_advantages, mask)
+    return masked_fill_zero(as_float(base.detach()).to(distill.dtype) + distill, mask)
+
+
+def reverse_kl_sums(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """`[sum of (student - teacher), tokens, max |student - teacher|]` (float64) over the masked tokens: the
+    parts of `distill/reverse_kl` (sum / tokens) and `distill/reverse_kl_abs_max`, summed (the first two) and
+    maxed (the last) over data-parallel shares."""
+    diff = student_logprobs.detach().double() - teacher_logprobs.detach().double()
+    return torch.stack([masked_sum(diff, mask), masked_count(mask).double(), masked_max(diff.abs(), mask)])

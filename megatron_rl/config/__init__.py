@@ -5,6 +5,7 @@ Imports no torch, Megatron or vLLM (pydantic and PyYAML only), so that commands 
 
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.cluster import ClusterConfig
+from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.eval import EvalConfig
 from megatron_rl.config.loader import ConfigError, dump_config, explain, load_config, parse_override
 from megatron_rl.config.model import ModelConfig
@@ -14,7 +15,7 @@ from megatron_rl.config.task import TaskConfig
 from megatron_rl.config.trainer import CheckpointConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 
 __all__ = [
-    "AlgorithmConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "EvalConfig", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "RolloutConfig", "RunConfig", "SyncConfig", "TaskConfig", "TrainerConfig",
-    "dump_config", "explain", "load_config", "parse_override",
+    "AlgorithmConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DistillConfig", "EvalConfig",
+    "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "RunConfig", "SyncConfig", "TaskConfig",
+    "TrainerConfig", "dump_config", "explain", "load_config", "parse_override",
 ]  # fmt: skip

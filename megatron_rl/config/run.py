@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.base import Section
 from megatron_rl.config.cluster import ClusterConfig
+from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.eval import EvalConfig
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.rollout import BufferConfig, RolloutConfig, SyncConfig
@@ -53,6 +54,8 @@ class RunConfig(Section):
     """The task."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Evaluation on validation prompts during training."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher (off by default)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """The cluster a production run is planned for."""
 
@@ -129,4 +132,22 @@ class RunConfig(Section):
             )
         if a.kl_in == "reward" and a.kl_coef == 0:
             raise ValueError("algorithm.kl_in=reward needs algorithm.kl_coef > 0 (the coefficient of the penalty)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_distillation(self) -> RunConfig:
+        """Pure distillation (`distill.use_reward=false`) leaves no room for what acts on the reward."""
+        d, a = self.distill, self.algorithm
+        if not d.enabled or d.use_reward:
+            return self
+        if a.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling drops groups whose rewards are all equal, but distill.use_reward=false"
+                " trains on the teacher's score only: switch one of them off"
+            )
+        if a.kl_in == "reward" and a.kl_coef > 0:
+            raise ValueError(
+                "algorithm.kl_in=reward puts the reference KL into the reward, which distill.use_reward=false"
+                " does not train on: set algorithm.kl_in=loss (or distill.use_reward=true)"
+            )
         return self

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import ray
 import torch
 
+from megatron_rl.rollout.teacher import LATENCY_KEY
 from megatron_rl.rollout.types import Group
 
 
@@ -37,7 +38,17 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict:
         "batch/zero_variance_frac": flat / max(1, len(groups)),
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
         **reward_components(samples),
+        **teacher_latency(groups),
     }
+
+
+def teacher_latency(groups: list[Group]) -> dict:
+    """`distill/teacher_latency_s` (mean) and `_max_s`: the seconds the teacher took to score each group of the
+    batch (one call per group, beside its rewards); {} without distillation."""
+    seconds = [g.samples[0].metadata[LATENCY_KEY] for g in groups if g.samples and LATENCY_KEY in g.samples[0].metadata]
+    if not seconds:
+        return {}
+    return {"distill/teacher_latency_s": sum(seconds) / len(seconds), "distill/teacher_latency_max_s": max(seconds)}
 
 
 _REWARD_KEYS = ("mean", "std", "max")

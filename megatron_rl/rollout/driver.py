@@ -53,6 +53,10 @@ class RewardError(GenerationError):
     """The reward function fails on every group: the run cannot learn anything, so it stops."""
 
 
+class TeacherError(RuntimeError):
+    """The teacher could not score one group (on-policy distillation); the driver requeues its prompt."""
+
+
 @dataclasses.dataclass
 class DriverStats:
     """Counters the driver reports with the metrics."""
@@ -64,6 +68,7 @@ class DriverStats:
     engine_failures: int = 0
     engine_restarts: int = 0
     bad_reward_groups: int = 0
+    teacher_failures: int = 0
     generated_tokens: int = 0
     gate_wait_s: float = 0.0
 
@@ -71,8 +76,10 @@ class DriverStats:
 class GenerationDriver:
     """Continuous generation into the rollout buffer (see module docstring)."""
 
-    def __init__(self, buffer, engines: dict[str, object], task, tokenizer, cfg, lag: int):
+    def __init__(self, buffer, engines: dict[str, object], task, tokenizer, cfg, lag: int, teacher=None):
         self.buffer = buffer
+        self.teacher = teacher
+        """The teacher's scorer (`rollout/teacher.py` TeacherScorer) under on-policy distillation, else None."""
         self.engines = engines
         self.task = task
         self.tokenizer = tokenizer
@@ -174,18 +181,27 @@ class GenerationDriver:
                 why = error_line(err)
                 if is_actor_death(err):
                     self.mark_down(engine, why)
-                requeued = await self._call_buffer("requeue", index, f"{engine}: {why}")
-                self.stats.requeued += int(requeued)
-                outcome = "requeued" if requeued else "dropped by the buffer (requeue limit)"
-                log.warning("engine %s failed on prompt %d (%s); %s", engine, index, why, outcome)
+                await self._requeue(index, engine, why)
                 self.failure = err
                 await self._until_engine_ready(engine)  # claim nothing it would fail (and burn) meanwhile
                 continue
-            group = await self._score(index, record, results)
+            try:
+                group = await self._score(index, record, results)
+            except TeacherError as err:  # the teacher failed (its scorer restarts a dead one): the prompt goes back
+                self.stats.teacher_failures += 1
+                await self._requeue(index, "teacher", str(err))
+                continue
             accepted = await self._call_buffer("put_group", group)  # first: a dropped group is accounted for
             self.stats.groups += int(accepted)
             self.stats.dropped_by_buffer += int(not accepted)
             self._check_rewards(group)
+
+    async def _requeue(self, index: int, who: str, why: str) -> None:
+        """Give prompt `index` back to the buffer after `who` failed on it (the buffer counts and limits requeues)."""
+        requeued = await self._call_buffer("requeue", index, f"{who}: {why}")
+        self.stats.requeued += int(requeued)
+        outcome = "requeued" if requeued else "dropped by the buffer (requeue limit)"
+        log.warning("%s failed on prompt %d (%s); %s", who, index, why, outcome)
 
     async def _until_engine_ready(self, engine: str) -> None:
         """After a failed request: ask the engine's health before its worker claims again. A dead actor or a dead
@@ -252,10 +268,14 @@ class GenerationDriver:
         return await self.task.score_group(texts, record, None, self._rewards)
 
     async def _score(self, index: int, record: dict, results: list) -> Group:
-        """The group of one prompt's results, each sample with its reward (NaN where the reward failed)."""
+        """The group of one prompt's results, each sample with its reward (NaN where the reward failed) and, under
+        distillation, its teacher logprobs (scored at the same time; TeacherError when the teacher failed)."""
         samples = [Sample.from_generation(r, index, group_id=str(index), sample=i) for i, r in enumerate(results)]
         texts = [self.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
-        rewards = await self.task.score_group(texts, record, samples, self._rewards)
+        scoring = [self.task.score_group(texts, record, samples, self._rewards)]
+        if self.teacher is not None:
+            scoring.append(self.teacher.score(samples))
+        rewards, *_ = await asyncio.gather(*scoring)
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
         return Group(index, samples)

@@ -42,6 +42,9 @@ class Sample:
     """Why generation stopped: 'stop' (EOS or a stop token), 'length' (max tokens), 'abort'."""
     engine: str = ""
     """Name of the engine that generated it."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's logprob of every response token given the prompt and the response
+    before it (untempered: vLLM prompt logprobs); None without a teacher."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Free-form JSON-able extras: `rewards` ({component: value}: each reward function's value and each length
     penalty, for the `reward/<name>` metrics), `reward_error`, `reward_info` (a verl reward's extra entries),
@@ -53,6 +56,11 @@ class Sample:
             raise ValueError(
                 f"sample of prompt {self.prompt_index}: {n} response tokens but {len(self.logprobs)} logprobs "
                 f"and {len(self.versions)} versions (one of each per token)"
+            )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(
+                f"sample of prompt {self.prompt_index}: {n} response tokens but {len(self.teacher_logprobs)} teacher"
+                " logprobs (one per token)"
             )
 
     @property

@@ -20,7 +20,7 @@ from megatron_rl.algorithms.advantages import compute_advantages
 if TYPE_CHECKING:  # the rollout's sample contract; the trainer only reads its fields
     from megatron_rl.rollout.types import Group
 
-_PER_TOKEN = ("loss_mask", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs")
+_PER_TOKEN = ("loss_mask", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "teacher_logprobs")
 _PER_SEQUENCE = ("lengths", "rewards", "group_ids")
 
 
@@ -40,6 +40,8 @@ class TrainBatch:
     """`[B, S-1]` logprobs under the weights the step starts from (decoupled PPO); see `train_step`."""
     ref_logprobs: Tensor | None = None
     """`[B, S-1]` logprobs under the reference policy (KL penalty only)."""
+    teacher_logprobs: Tensor | None = None
+    """`[B, S-1]` the teacher's untempered logprobs of the response tokens (on-policy distillation only)."""
     lengths: Tensor | None = None
     """`[B]` int64 real tokens (prompt + response) of each sequence; the rest of its row is padding. Without it
     a row ends at its last response token."""
@@ -183,6 +185,10 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     tokens = torch.full((len(samples), seq), pad_id, dtype=torch.long)
     mask = torch.zeros(len(samples), seq - 1)
     behaviour = torch.zeros(len(samples), seq - 1)
+    scored = [s.teacher_logprobs is not None for s in samples]
+    if any(scored) and not all(scored):
+        raise ValueError(f"{scored.count(False)} of {len(samples)} samples have no teacher logprobs (all or none must)")
+    teacher = torch.zeros(len(samples), seq - 1) if all(scored) else None
     for row, sample in enumerate(samples):
         ids = list(sample.prompt_ids) + list(sample.response_ids)
         tokens[row, : len(ids)] = torch.tensor(ids)
@@ -190,6 +196,8 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
         end = start + len(sample.response_ids)
         mask[row, start:end] = 1.0
         behaviour[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        if teacher is not None:
+            teacher[row, start:end] = torch.tensor(sample.teacher_logprobs, dtype=torch.float32)
     # float64: float32 would turn a reward of 1e39 into inf, and lose the spread of rewards near 1e20.
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long)
@@ -197,5 +205,5 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     return TrainBatch(
         tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths,
-        rewards=rewards, group_ids=group_ids,
+        rewards=rewards, group_ids=group_ids, teacher_logprobs=teacher,
     )  # fmt: skip

@@ -10,13 +10,16 @@ version counts batches.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from megatron_rl.algorithms.advantages import compute_advantages
+from megatron_rl.algorithms.distill import distill_advantages, reverse_kl_sums
 from megatron_rl.algorithms.kl import sequence_kl
 from megatron_rl.algorithms.objective import LossSpec
 from megatron_rl.algorithms.sampling_mask import SamplingMask
@@ -36,6 +39,7 @@ from megatron_rl.trainer.train_step import (
     compute_logprobs,
     loss_spec,
     train_step,
+    with_proximal_and_untempered,
     with_proximal_logprobs,
 )
 
@@ -97,6 +101,40 @@ def kl_in_reward(batch: TrainBatch, ctx: ParallelContext, algo: AlgorithmConfig)
     return batch.replace(advantages=mine.to(batch.advantages.dtype)), float(penalties.mean())
 
 
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+    """On-policy distillation's settings in the trainer (`distill`), and its step on a batch."""
+
+    kl_coef: float
+    """lambda of the reverse-KL term."""
+    use_reward: bool
+    """Whether the reward's advantages stay in (false: pure distillation)."""
+    temperature: float
+    """The rollout temperature the model divides its logits by (the untempered logprobs undo it)."""
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Distillation | None:
+        """The run's distillation, None without a teacher."""
+        d = cfg.distill
+        return cls(d.kl_coef, d.use_reward, cfg.rollout.temperature) if d.enabled else None
+
+    def apply(self, batch: TrainBatch, untempered: Tensor, ctx: ParallelContext) -> tuple[TrainBatch, dict]:
+        """(Last-stage ranks) the share with per-token advantages `use_reward * A - kl_coef * (student - teacher)`
+        (`algorithms.distill.distill_advantages`), and the global batch's `distill/reverse_kl` (the mean over
+        its response tokens of student - teacher, untempered logprobs) and `distill/reverse_kl_abs_max`."""
+        if batch.teacher_logprobs is None:
+            raise ValueError("distill.teacher is set but the batch has no teacher logprobs (Sample.teacher_logprobs)")
+        teacher, mask = batch.teacher_logprobs, batch.loss_mask
+        advantages = distill_advantages(batch.advantages, untempered, teacher, mask, self.kl_coef, self.use_reward)
+        sums = reverse_kl_sums(untempered, teacher, mask)
+        total, largest = sums[:2].to(ctx.device).contiguous(), sums[2:].to(ctx.device).contiguous()
+        dist.all_reduce(total, group=ctx.dp_group)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+        kl, tokens = total.cpu().tolist()
+        stats = {"distill/reverse_kl": kl / max(tokens, 1.0), "distill/reverse_kl_abs_max": float(largest.item())}
+        return batch.replace(advantages=advantages.to(batch.advantages.dtype)), stats
+
+
 def aggregate_updates(updates: list[dict], per_epoch: int) -> dict:
     """One batch's stats from its updates' stats: sums of `SUMMED_STATS` over the first epoch, means of the
     rest over the updates that were not skipped (over all when every one was), and the guard's counts."""
@@ -122,22 +160,32 @@ def train_batch(
     micro_batch_size: int,
     reference=None,
     skips: SkipCounter | None = None,
+    distill: Distillation | None = None,
 ) -> dict:
     """Every update of one batch (this replica's share): proximal and reference logprobs when needed (under the
-    spec's sampling mask, as the current ones), KL in the reward, then `ppo_epochs` x `ppo_minibatches` updates;
-    the aggregated stats (`aggregate_updates`)."""
+    spec's sampling mask, as the current ones), KL in the reward, the teacher's term in the advantages (with
+    `distill`), then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`)."""
     updates = updates_per_batch(algo)
     mask = spec.sampling_mask
-    if spec.uses_proximal and (updates > 1 or spec.kept_mask_matters):
+    untempered = None
+    if distill is not None:  # one forward: the proximal logprobs and the untempered ones the teacher's compare with
+        batch, untempered = with_proximal_and_untempered(
+            state.model, ctx, batch, distill.temperature, micro_batch_size, mask
+        )
+    elif spec.uses_proximal and (updates > 1 or spec.kept_mask_matters):
         batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size, mask)
     extra = {}
     if reference is not None:
         ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size, mask)  # last stage only, like the loss
         if ref is not None:
             batch = batch.replace(ref_logprobs=ref.to(batch.behaviour_logprobs.dtype))
-    if algo.kl_in == "reward":
-        if ctx.is_last_stage:  # only the last stage reads the advantages
+    if ctx.is_last_stage:  # only the last stage reads the advantages
+        if algo.kl_in == "reward":
             batch, extra["kl/reward_penalty_mean"] = kl_in_reward(batch, ctx, algo)
+        if distill is not None:  # after KL in the reward, which recomputes the reward's advantages
+            batch, distill_stats = distill.apply(batch, untempered, ctx)
+            extra |= distill_stats
+    if algo.kl_in == "reward" or distill is not None:
         extra = broadcast_from_owner(ctx, extra)
     minibatches = batch.minibatches(algo.ppo_minibatches)
     if minibatches[0].batch_size % micro_batch_size:
@@ -184,6 +232,7 @@ class Learner:
         sampling = SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p)
         self.spec = loss_spec(cfg.algorithm, cfg.rollout.max_new_tokens, sampling)
         self.skips = SkipCounter(cfg.algorithm.max_skipped_updates_in_a_row)
+        self.distill = Distillation.of(cfg)
 
     def _reference_model(self, opts: BuildOptions):
         """A frozen copy of the starting policy at the same layout, for the KL penalty."""
@@ -198,7 +247,7 @@ class Learner:
         t0 = time.perf_counter()
         stats = train_batch(
             self.state, self.rank.ctx, batch, self.cfg.algorithm, self.spec, self.cfg.trainer.micro_batch_size,
-            self.reference, self.skips,
+            self.reference, self.skips, self.distill,
         )  # fmt: skip
         stats["guard/skipped_updates_total"] = float(self.skips.total)
         stats["time/train_s"] = time.perf_counter() - t0

@@ -169,6 +169,23 @@ def _masked_logprob_step(mask: SamplingMask, data_iterator, model):
     return output, collect
 
 
+def _with_untempered_step(mask: SamplingMask | None, temperature: float, data_iterator, model):
+    batch = next(data_iterator)
+    labels = batch.pop("labels")
+    output = model(**batch)  # no labels: the vocab-parallel logits, already divided by the temperature
+
+    def collect(output_tensor, non_loss_data=False):
+        # A new tensor (the cross entropy overwrites its fp32 input): the logits before the temperature's division.
+        untempered = -tensor_parallel.vocab_parallel_cross_entropy(output_tensor.float() * temperature, labels)
+        if mask is not None and mask.active:
+            policy, _ = masked_logprobs(output_tensor, labels, mask)
+        else:
+            policy = -tensor_parallel.vocab_parallel_cross_entropy(output_tensor.float(), labels)
+        return torch.stack([policy, untempered])[:, :, :-1].detach().float()
+
+    return output, collect
+
+
 def forward_logprobs(
     model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int = 1, mask: SamplingMask | None = None
 ) -> torch.Tensor | None:
@@ -177,7 +194,36 @@ def forward_logprobs(
     Every rank must pass the same `tokens`. The sequence length must be divisible by TP (sequence parallel).
     With an active `mask` they are the logprobs under the engines' top-k / top-p distribution (`masked_logprobs`).
     """
+    step = partial(_masked_logprob_step, mask) if mask and mask.active else _logprob_step
+    outputs = _forward_only(model, ctx, tokens, micro_batch_size, step)
+    return None if outputs is None else torch.cat(outputs, dim=0)
 
+
+def forward_logprobs_and_untempered(
+    model,
+    ctx: ParallelContext,
+    tokens: torch.Tensor,
+    temperature: float,
+    micro_batch_size: int = 1,
+    mask: SamplingMask | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the policy's logprobs as `forward_logprobs` gives them, the untempered ones), each `[batch, seq-1]`, from
+    one forward, on last-stage ranks; None elsewhere.
+
+    The untempered ones are those of the plain softmax of the model's own logits (temperature 1, no top-k /
+    top-p): what vLLM's prompt logprobs are, so what a teacher's score is compared with. `temperature` is the one
+    the model divides its logits by (`BuildOptions.logit_temperature`).
+    """
+    outputs = _forward_only(model, ctx, tokens, micro_batch_size, partial(_with_untempered_step, mask, temperature))
+    if outputs is None:
+        return None
+    both = torch.cat(outputs, dim=1)
+    return both[0], both[1]
+
+
+def _forward_only(model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int, step) -> list | None:
+    """Megatron's forward-only schedule over `tokens` in micro-batches with the forward step `step`, without
+    gradient; each micro-batch's collected output on last-stage ranks, None elsewhere."""
     batch, seq = tokens.shape
     if seq % ctx.layout.tp:
         raise ValueError(f"sequence length {seq} is not divisible by tensor parallel size {ctx.layout.tp}")
@@ -189,7 +235,7 @@ def forward_logprobs(
     try:
         with torch.no_grad():
             outputs = get_forward_backward_func()(
-                forward_step_func=partial(_masked_logprob_step, mask) if mask and mask.active else _logprob_step,
+                forward_step_func=step,
                 data_iterator=iter(micro_batches),
                 model=[model],
                 num_microbatches=len(micro_batches),
@@ -200,6 +246,4 @@ def forward_logprobs(
             )
     finally:
         model.train(was_training)
-    if not ctx.is_last_stage:
-        return None
-    return torch.cat(list(outputs), dim=0)
+    return list(outputs) if ctx.is_last_stage else None

@@ -55,6 +55,7 @@ from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import (
     forward_logprobs,
+    forward_logprobs_and_untempered,
     logprobs_and_entropy,
     masked_logprobs,
     model_inputs,
@@ -111,6 +112,24 @@ def with_proximal_logprobs(
     if logprobs is None:
         return batch
     return batch.replace(proximal_logprobs=logprobs.to(batch.behaviour_logprobs.dtype))
+
+
+def with_proximal_and_untempered(
+    model,
+    ctx: ParallelContext,
+    batch: TrainBatch,
+    temperature: float,
+    micro_batch_size: int = 1,
+    mask: SamplingMask | None = None,
+) -> tuple[TrainBatch, Tensor | None]:
+    """(the batch with `proximal_logprobs` as `with_proximal_logprobs` sets them, the untempered logprobs
+    `[B, S-1]` of the same forward) on last-stage ranks; (the batch unchanged, None) elsewhere. On-policy
+    distillation compares the untempered ones with the teacher's (`forward_logprobs_and_untempered`)."""
+    both = forward_logprobs_and_untempered(model, ctx, batch.tokens, temperature, micro_batch_size, mask)
+    if both is None:
+        return batch, None
+    proximal, untempered = both
+    return batch.replace(proximal_logprobs=proximal.to(batch.behaviour_logprobs.dtype)), untempered
 
 
 def local_counts(batch: TrainBatch, spec: LossSpec) -> Tensor:

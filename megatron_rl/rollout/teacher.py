@@ -1,0 +1,195 @@
+"""On-policy distillation, rollout side: the teacher engines that score what the student generates.
+
+The teacher is a Hugging Face checkpoint served by its own engine pool (`distill.teacher: hf`): vLLM engines like
+the student's, never synced. The generation driver hands each group to `TeacherScorer.score` while its rewards
+are computed; the scorer asks the least busy live teacher for the prompt logprobs of every sample's prompt +
+response (`VLLMEngine.score`, prompt_logprobs=0: the logprob of each token given its prefix, untempered) and
+stores the response tokens' ones on the sample (`Sample.teacher_logprobs`), with the call's latency in
+`sample.metadata["teacher_latency_s"]`.
+
+A scoring that fails (timeout, engine error, a dead teacher, a non-finite logprob) raises `TeacherError`: the
+driver requeues the prompt as it does after a failed generation, so no sample is lost. A teacher whose actor died
+is restarted from its checkpoint (no weight sync: its weights never change), up to `rollout.max_engine_restarts`
+times; past that the run stops (GenerationError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_rl.config import RunConfig
+from megatron_rl.errors import UserError
+from megatron_rl.rollout.driver import GenerationError, TeacherError, error_line, is_actor_death
+from megatron_rl.rollout.engine import EngineSpec
+from megatron_rl.rollout.tasks import load_tokenizer
+from megatron_rl.rollout.types import Sample
+
+log = logging.getLogger(__name__)
+
+LATENCY_KEY = "teacher_latency_s"
+"""`sample.metadata` key of the teacher call's seconds (the `distill/teacher_latency_s` metric)."""
+WAIT_POLL_S = 0.2
+"""How often a scoring that finds every teacher down looks for a restarted one."""
+
+
+class TeacherMismatchError(UserError, ValueError):
+    """The teacher cannot teach this student (missing checkpoint, another tokenizer); the message names both."""
+
+
+def check_teacher(student_path: str, teacher_path: str) -> None:
+    """TeacherMismatchError unless `teacher_path` is a checkpoint whose tokenizer is the student's: the teacher
+    scores the student's token ids, which mean the same text only under the same vocabulary and special tokens."""
+    if not (Path(teacher_path) / "config.json").exists():
+        raise TeacherMismatchError(
+            f"distill.teacher_path={teacher_path!r}: no config.json there (a Hugging Face checkpoint folder, e.g. the"
+            " RUN_DIR/hf that an RL run exports at its end)"
+        )
+    student, teacher = load_tokenizer(student_path), load_tokenizer(teacher_path)
+    differences = tokenizer_differences(student, teacher)
+    if differences:
+        raise TeacherMismatchError(
+            f"the teacher's tokenizer ({teacher_path}) differs from the student's ({student_path}): "
+            + "; ".join(differences)
+            + ". On-policy distillation scores the student's token ids with the teacher, which needs one tokenizer"
+        )
+
+
+def tokenizer_differences(student, teacher) -> list[str]:
+    """What differs between two tokenizers: the vocabulary (token -> id) and the special tokens' ids."""
+    found = []
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    if ours != theirs:
+        changed = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
+        found.append(
+            f"vocabularies of {len(ours)} and {len(theirs)} tokens differ at {len(changed)} token(s), e.g. "
+            + ", ".join(f"{t!r}: {ours.get(t)} vs {theirs.get(t)}" for t in changed[:3])
+        )
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(student, name, None) != getattr(teacher, name, None):
+            found.append(f"{name} {getattr(student, name, None)} vs {getattr(teacher, name, None)}")
+    return found
+
+
+def teacher_specs(cfg: RunConfig) -> list[EngineSpec]:
+    """One EngineSpec per teacher engine (`distill`): the teacher checkpoint, one token longer than the student's
+    sequences (scoring a whole prompt + response asks vLLM for one more token)."""
+    d, r = cfg.distill, cfg.rollout
+    return [
+        EngineSpec(
+            name=f"teacher-{i}", model_path=d.teacher_path, dtype=d.teacher_dtype or cfg.model.dtype,
+            tensor_parallel=d.engine_tp, max_model_len=cfg.model.max_sequence_length + 1,
+            cpu_kv_cache_gb=d.cpu_kv_cache_gb, seed=cfg.trainer.seed + 1000 + i,
+            max_num_seqs=max(16, r.num_engines * r.max_concurrent_prompts * r.samples_per_prompt),
+            gpu_memory_utilization=r.gpu_memory_utilization, cpu_affinity=list(r.cpu_affinity),
+        )
+        for i in range(d.num_engines)
+    ]  # fmt: skip
+
+
+def response_logprobs(sample: Sample, scored: list[float]) -> list[float]:
+    """The response tokens' logprobs out of the scores of `prompt + response` (entry j is token j + 1's)."""
+    n = len(sample.response_ids)
+    expected = len(sample.prompt_ids) + n - 1
+    if len(scored) != expected:
+        raise TeacherError(f"prompt {sample.prompt_index}: the teacher returned {len(scored)} logprobs, not {expected}")
+    mine = [float(x) for x in scored[len(scored) - n :]] if n else []
+    bad = next((i for i, x in enumerate(mine) if not math.isfinite(x)), None)
+    if bad is not None:
+        raise TeacherError(
+            f"prompt {sample.prompt_index}: the teacher's logprob of response token {bad} is {mine[bad]}"
+        )
+    return mine
+
+
+class TeacherScorer:
+    """Scores groups on the teacher engines (module docstring); every call is bounded by `timeout_s`."""
+
+    def __init__(
+        self, actors: dict[str, object], restart: Callable[[str], object], timeout_s: float, max_restarts: int
+    ):
+        self.actors = dict(actors)
+        self._restart_blocking = restart
+        self.timeout_s = timeout_s
+        self.max_restarts = max_restarts
+        self.busy = dict.fromkeys(self.actors, 0)
+        self.down: dict[str, str] = {}
+        self.restarts: dict[str, int] = {}
+        self.failures = 0
+        self._restarting: dict[str, asyncio.Task] = {}
+        self.fatal: BaseException | None = None
+
+    async def score(self, samples: list[Sample]) -> float:
+        """Set `teacher_logprobs` (and the latency) on every sample of one group; returns the seconds it took.
+
+        TeacherError when the scoring failed (the caller requeues the prompt); GenerationError when a teacher
+        died more often than allowed (the run cannot go on)."""
+        start = time.perf_counter()
+        name = await self._a_live_teacher()
+        self.busy[name] += 1
+        try:
+            scored = await asyncio.wait_for(
+                self.actors[name].score.remote([s.prompt_ids + s.response_ids for s in samples]), self.timeout_s
+            )
+        except asyncio.TimeoutError:
+            self.failures += 1
+            raise TeacherError(f"{name} did not score within distill.request_timeout_s={self.timeout_s:g} s") from None
+        except Exception as err:
+            self.failures += 1
+            if is_actor_death(err):
+                self._mark_down(name, error_line(err))
+            raise TeacherError(f"{name}: {error_line(err)}") from err
+        finally:
+            self.busy[name] -= 1
+        values = [response_logprobs(s, scores) for s, scores in zip(samples, scored, strict=True)]
+        seconds = time.perf_counter() - start
+        for sample, mine in zip(samples, values):
+            sample.teacher_logprobs = mine
+            sample.metadata[LATENCY_KEY] = seconds
+        return seconds
+
+    async def _a_live_teacher(self) -> str:
+        """The least busy teacher that is up; waits (at most `timeout_s`) while every one is being restarted."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.fatal is not None:
+                raise GenerationError(f"the teacher cannot go on: {self.fatal}") from self.fatal
+            live = [n for n in self.actors if n not in self.down]
+            if live:
+                return min(live, key=lambda n: self.busy[n])
+            if time.monotonic() > deadline:
+                raise TeacherError(f"every teacher engine is down ({self.down}) for {self.timeout_s:g} s")
+            await asyncio.sleep(WAIT_POLL_S)
+
+    def _mark_down(self, name: str, reason: str) -> None:
+        """Route nothing to `name` and restart it in the background (once, whatever the calls that saw it die)."""
+        if name in self.down:
+            return
+        self.down[name] = reason
+        count = self.restarts.get(name, 0)
+        if count >= self.max_restarts:
+            self.fatal = GenerationError(
+                f"{name} died again ({reason}) after {count} restart(s) (rollout.max_engine_restarts)"
+            )
+            return
+        self.restarts[name] = count + 1
+        log.warning("teacher %s is down (%s): restarting it (restart %d)", name, reason, count + 1)
+        self._restarting[name] = asyncio.get_running_loop().create_task(self._restart(name))
+
+    async def _restart(self, name: str) -> None:
+        try:
+            actor = await asyncio.get_running_loop().run_in_executor(None, self._restart_blocking, name)
+        except Exception as err:
+            self.fatal = GenerationError(f"restarting teacher {name} failed: {error_line(err)}")
+            return
+        self.actors[name] = actor
+        self.down.pop(name, None)
+        log.warning("teacher %s is back", name)
+
+    def report(self) -> dict:
+        """The teacher side's counters for the run's summary."""
+        return {"failures": self.failures, "restarts": dict(self.restarts), "down": dict(self.down)}

@@ -1,0 +1,210 @@
+"""On-policy distillation, the fast parts: the advantage math against a float64 reference, the config's checks,
+the tokenizer check, teacher logprobs on samples and in the batch, and the driver requeueing a prompt whose
+teacher scoring failed (the real buffer in this process, stand-in engines as in test_driver.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from megatron_rl.algorithms.distill import distill_advantages, reverse_kl_sums
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.rollout.buffer import RolloutBuffer
+from megatron_rl.rollout.driver import TeacherError
+from megatron_rl.rollout.tasks import PromptStream
+from megatron_rl.rollout.teacher import (
+    LATENCY_KEY,
+    TeacherMismatchError,
+    TeacherScorer,
+    check_teacher,
+    response_logprobs,
+)
+from megatron_rl.rollout.types import Group, Sample
+from megatron_rl.trainer.batch import groups_to_batch
+from tests.unit.test_driver import CountingTask, StandInEngine, _drive_until, _running_driver
+
+QUICKSTART = "configs/quickstart.yaml"
+
+
+def _logprobs(seed: int, shape=(3, 6)) -> torch.Tensor:
+    return -torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+
+
+MASK = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 1, 0, 0, 0, 0]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("use_reward", [True, False])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_distill_advantages_against_a_float64_reference(use_reward, per_token):
+    student, teacher = _logprobs(0), _logprobs(1)
+    teacher[~MASK] = float("nan")  # padding is never read
+    reward = torch.tensor([0.5, -1.0, 2.0]) if not per_token else _logprobs(2).float()
+    got = distill_advantages(reward, student.float(), teacher.float(), MASK, kl_coef=0.3, use_reward=use_reward)
+    assert got.shape == MASK.shape and torch.isfinite(got).all()
+    for b in range(3):
+        for t in range(6):
+            if not MASK[b, t]:
+                assert got[b, t] == 0
+                continue
+            base = float(reward[b] if not per_token else reward[b, t]) if use_reward else 0.0
+            expected = base - 0.3 * (float(student[b, t]) - float(teacher[b, t]))
+            assert math.isclose(float(got[b, t]), expected, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def test_distill_advantages_are_detached_and_zero_when_student_is_teacher():
+    student = _logprobs(3).float().requires_grad_()
+    got = distill_advantages(torch.zeros(3), student, student.detach().clone(), MASK, kl_coef=1.0, use_reward=False)
+    assert not got.requires_grad
+    assert got.abs().max() == 0
+
+
+def test_reverse_kl_sums():
+    student, teacher = _logprobs(4), _logprobs(5)
+    total, tokens, largest = reverse_kl_sums(student, teacher, MASK).tolist()
+    diff = (student - teacher)[MASK]
+    assert tokens == int(MASK.sum())
+    assert math.isclose(total, float(diff.sum()), rel_tol=1e-12)
+    assert math.isclose(largest, float(diff.abs().max()), rel_tol=1e-12)
+    assert reverse_kl_sums(student, teacher, torch.zeros_like(MASK)).tolist() == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def _distill(*overrides: str):
+    return load_config(QUICKSTART, ["distill.teacher=hf", "distill.teacher_path=/teacher", *overrides])
+
+
+def test_distill_config_defaults_and_a_complete_teacher():
+    assert not load_config(QUICKSTART).distill.enabled
+    cfg = _distill("distill.use_reward=false", "distill.kl_coef=0.5")
+    assert cfg.distill.enabled and cfg.distill.kl_coef == 0.5 and not cfg.distill.use_reward
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["distill.teacher=hf"], "distill.teacher=hf needs distill.teacher_path"),
+        (["distill.teacher_path=/t"], "distill.teacher_path='/t' is set but distill.teacher=none"),
+        (["distill.teacher=snapshot"], "snapshot .* is not implemented yet"),
+        (["distill.teacher=hf", "distill.teacher_path=/t", "distill.refresh_every=2"], "teacher=snapshot only"),
+        (["distill.teacher=hf", "distill.teacher_path=/t", "distill.kl_coef=-1"], "kl_coef"),
+        (["distill.teacher=hf", "distill.teacher_path=/t", "distill.teacher=hx"], "teacher"),
+        (
+            ["distill.teacher=hf", "distill.teacher_path=/t", "distill.use_reward=false", "distill.kl_coef=0"],
+            "leaves nothing to train on",
+        ),
+        (
+            ["distill.teacher=hf", "distill.teacher_path=/t", "distill.use_reward=false", "algorithm.dynamic_sampling=true"],
+            "dynamic_sampling drops groups .* distill.use_reward=false",
+        ),
+        (
+            ["distill.teacher=hf", "distill.teacher_path=/t", "distill.use_reward=false", "algorithm.kl_coef=0.1",
+             "algorithm.kl_in=reward"],
+            "kl_in=reward .* distill.use_reward=false",
+        ),
+    ],
+)  # fmt: skip
+def test_distill_config_refuses_what_cannot_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(QUICKSTART, overrides)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both_paths(tiny_dir, tmp_path):
+    student = tiny_dir("qwen3_moe")
+    check_teacher(student, tiny_dir("mixtral"))  # another family, the same shipped tokenizer: accepted
+    teacher = tmp_path / "teacher"
+    shutil.copytree(student, teacher)
+    tok = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (teacher / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(TeacherMismatchError) as err:
+        check_teacher(student, str(teacher))
+    assert str(teacher) in str(err.value) and student in str(err.value)
+    assert "differ at 2 token(s)" in str(err.value)
+    with pytest.raises(TeacherMismatchError, match=f"distill.teacher_path='{tmp_path}/none': no config.json"):
+        check_teacher(student, str(tmp_path / "none"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Samples and the batch
+
+
+def _sample(index: int, teacher: list[float] | None) -> Sample:
+    return Sample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], prompt_index=index, teacher_logprobs=teacher)
+
+
+def test_teacher_logprobs_travel_in_samples_checkpoints_and_the_batch():
+    group = Group(0, [_sample(0, [-1.0, -2.0, -3.0]), _sample(0, [-0.5, -0.25, -0.125])])
+    again = Group.from_dict(json.loads(json.dumps(group.to_dict())))
+    assert again.samples[1].teacher_logprobs == [-0.5, -0.25, -0.125]
+    old = _sample(0, None).to_dict()
+    del old["teacher_logprobs"]  # a buffer checkpoint written before the field existed
+    assert Sample.from_dict(old).teacher_logprobs is None
+    batch = groups_to_batch([again], "grpo", tp=1)
+    assert batch.teacher_logprobs.shape == batch.loss_mask.shape
+    assert batch.teacher_logprobs[1, 1:4].tolist() == [-0.5, -0.25, -0.125]  # position t predicts token t + 1
+    assert batch.teacher_logprobs[batch.loss_mask == 0].abs().sum() == 0
+    assert groups_to_batch([Group(0, [_sample(0, None)])], "grpo", tp=1).teacher_logprobs is None
+    with pytest.raises(ValueError, match="1 of 2 samples have no teacher logprobs"):
+        groups_to_batch([Group(0, [_sample(0, [-1.0, -1.0, -1.0]), _sample(0, None)])], "grpo", tp=1)
+    with pytest.raises(ValueError, match="3 response tokens but 2 teacher logprobs"):
+        _sample(0, [-1.0, -1.0])
+
+
+def test_response_logprobs_takes_the_response_tokens_and_refuses_bad_scores():
+    sample = _sample(7, None)
+    assert response_logprobs(sample, [-9.0, -1.0, -2.0, -3.0]) == [-1.0, -2.0, -3.0]
+    with pytest.raises(TeacherError, match="prompt 7: the teacher returned 3 logprobs, not 4"):
+        response_logprobs(sample, [-1.0, -2.0, -3.0])
+    with pytest.raises(TeacherError, match="prompt 7: the teacher's logprob of response token 1 is nan"):
+        response_logprobs(sample, [-9.0, -1.0, float("nan"), -3.0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The driver with a teacher that fails
+
+
+class StandInTeacher(StandInEngine):
+    """Scores every token -0.5; raises `errors[prompt]` (once per entry) instead."""
+
+    async def _score(self, sequences):
+        pending = self.errors.get(sequences[0][1])
+        if pending:
+            raise pending.pop(0)
+        return [[-0.5] * (len(s) - 1) for s in sequences]
+
+    @property
+    def score(self):
+        return _Remote(self._score)
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+def test_a_failed_teacher_scoring_requeues_the_prompt_and_loses_no_sample():
+    teacher = StandInTeacher({1: [RuntimeError("teacher vLLM error")], 2: [asyncio.TimeoutError()]})
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    driver = _running_driver(
+        buffer, CountingTask(), StandInEngine(), 1, "distill.teacher=hf", "distill.teacher_path=/t"
+    )
+    driver.teacher = TeacherScorer({"teacher-0": teacher}, restart=None, timeout_s=5.0, max_restarts=0)
+    asyncio.run(_drive_until(driver, lambda: buffer.stats()["buffered"] >= 4))
+    groups = buffer.get_batch(4, 0, 1.0)
+    assert sorted(g.prompt_index for g in groups) == [0, 1, 2, 3]  # 1 and 2 came back and were scored
+    for g in groups:
+        assert g.samples[0].teacher_logprobs == [-0.5] and LATENCY_KEY in g.samples[0].metadata
+    assert driver.stats.teacher_failures == 2 and driver.stats.requeued == 2
+    assert driver.teacher.report()["failures"] == 2
+    acc = buffer.check_accounting()
+    assert acc["dropped"] == 0 and acc["produced"] == acc["consumed"] + acc["buffered"] + acc["in_flight"]
