@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rl.parallel.patches import applied_vllm_patches
 from megatron_rl.weights.engine.receiver import WeightReceiver
+from megatron_rl.weights.engine.routes import RouteCapture
 
 if TYPE_CHECKING:
     from megatron_rl.weights.engine.loader import InPlaceWeightLoader
@@ -104,6 +105,29 @@ class WeightUpdateExtension:
         """End the current update (see `InPlaceWeightLoader.finish`)."""
         self.mrl_weight_loader().finish()
 
+    def mrl_start_route_capture(self, max_finished_bytes: int = 512 << 20) -> dict:
+        """Capture every MoE layer's routed experts per request from now on (`routes.py`); again: its report."""
+        capture = getattr(self, "_mrl_routes", None)
+        if capture is None:
+            capture = RouteCapture(self.model_runner, max_finished_bytes)
+            self._mrl_routes = capture
+        return capture.describe()
+
+    def mrl_route_capture(self) -> RouteCapture:
+        """The worker's route capture; RuntimeError before `mrl_start_route_capture`."""
+        capture = getattr(self, "_mrl_routes", None)
+        if capture is None:
+            raise RuntimeError(f"routes asked for before {START_ROUTE_CAPTURE}")
+        return capture
+
+    def mrl_fetch_routes(self, request_ids: list[str]) -> dict:
+        """The routes of these requests (the ids given to vLLM), removed from the worker (`RouteStore.pop`)."""
+        return self.mrl_route_capture().fetch(request_ids)
+
+    def mrl_drop_routes(self, request_ids: list[str]) -> int:
+        """Forget these requests' routes (aborted ones nobody will fetch)."""
+        return self.mrl_route_capture().drop(request_ids)
+
 
 EXTENSION = f"{WeightUpdateExtension.__module__}.{WeightUpdateExtension.__qualname__}"
 """The production extension by qualified name (vLLM's `worker_extension_cls` takes a name)."""
@@ -115,6 +139,14 @@ FINISH_WEIGHT_UPDATE = WeightUpdateExtension.mrl_finish_weight_update.__name__
 """RPC: end the current update (after loads made by other RPCs)."""
 DESCRIBE_WEIGHT_LOADER = WeightUpdateExtension.mrl_describe_weight_loader.__name__
 """RPC: the loader's mode and counts, and the vLLM patches applied."""
+START_ROUTE_CAPTURE = WeightUpdateExtension.mrl_start_route_capture.__name__
+"""RPC: capture each MoE layer's routed experts per request from now on (args: optional byte budget of finished
+requests' routes); returns each worker's report."""
+FETCH_ROUTES = WeightUpdateExtension.mrl_fetch_routes.__name__
+"""RPC: the routes of requests by id, freed on the workers (args: list of ids); merge the per-worker results with
+`routes.merge_worker_routes`."""
+DROP_ROUTES = WeightUpdateExtension.mrl_drop_routes.__name__
+"""RPC: forget requests' routes (args: list of ids)."""
 EXPERT_PLACEMENT = WeightUpdateExtension.mrl_expert_placement.__name__
 """RPC: which experts each worker hosts (only the first data-parallel replica's workers answer through
 `collective_rpc`; the sync reads every worker's from the weight groups' stores)."""
