@@ -13,6 +13,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from megatron_rl.config import load_config  # noqa: E402
+from megatron_rl.rollout.driver import TeacherError  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
 from megatron_rl.rollout.teacher import LATENCY_KEY, TeacherScorer, teacher_specs  # noqa: E402
 from megatron_rl.rollout.types import Sample  # noqa: E402
@@ -55,3 +56,36 @@ def test_teacher_logprobs_equal_transformers(tiny_dir, local_ray, tp):
     worst = float(torch.cat(diffs).max())
     print(f"teacher TP{tp}: max |vLLM prompt logprob - transformers| = {worst:.3g} over {len(torch.cat(diffs))} tokens")
     assert worst <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_killed_teacher_fails_one_scoring_and_is_restarted(tiny_dir, local_ray):
+    """SIGKILL-like end of the teacher's actor (ray.kill): the scoring under way raises TeacherError (the driver
+    requeues that prompt), the scorer restarts the teacher from its checkpoint and the next scoring succeeds with
+    the same logprobs."""
+    hf = tiny_dir("qwen3_moe")
+    cfg = load_config(
+        "configs/quickstart.yaml", ["model.dtype=float32", "distill.teacher=hf", f"distill.teacher_path={hf}"]
+    )
+    pool = EnginePool(teacher_specs(cfg), cpus_per_engine=0.5)
+
+    async def scenario(scorer: TeacherScorer) -> tuple[list[Sample], list[Sample]]:
+        before = _samples()
+        await scorer.score(before)
+        ray.kill(scorer.actors["teacher-0"], no_restart=True)
+        with pytest.raises(TeacherError, match="teacher-0: .*Actor"):
+            await scorer.score(_samples())
+        assert "teacher-0" in scorer.down and scorer.restarts == {"teacher-0": 1}
+        after = _samples()
+        await scorer.score(after)  # waits for the restarted teacher
+        return before, after
+
+    try:
+        pool.start(600)
+        restart = functools.partial(pool.restart, timeout_s=600)
+        scorer = TeacherScorer(pool.actors, restart, timeout_s=600, max_restarts=1)
+        before, after = asyncio.run(scenario(scorer))
+    finally:
+        pool.shutdown()
+    assert scorer.down == {} and scorer.report()["failures"] == 1
+    assert [s.teacher_logprobs for s in after] == [s.teacher_logprobs for s in before]

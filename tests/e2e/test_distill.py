@@ -50,3 +50,28 @@ def test_a_teacher_equal_to_the_student_gives_zero_distillation_advantages(tmp_p
     assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
     assert acc["consumed"] == steps * cfg.prompts_per_step
     assert summary["teacher"]["failures"] == 0 and summary["driver"]["teacher_failures"] == 0
+
+
+@pytest.mark.slow
+def test_the_cpu_demo_distils_the_rl_quickstart_into_a_fresh_student(tmp_path):
+    """configs/distill_quickstart.yaml after the RL quickstart (its teacher, RUN_DIR/hf): the reward trains
+    nothing, yet the student's reward reaches 90% of the teacher's, its reverse KL falls at least 5x, in 10 min."""
+    tiny = f"model.hf_path={tmp_path}/tiny"
+    run_training(load_config("configs/quickstart.yaml", [f"output_dir={tmp_path}", tiny]))
+    taught = read_metrics(tmp_path / "quickstart" / "metrics.jsonl")
+    teacher_reward = sum(r["reward/mean"] for r in taught[-5:]) / 5  # the exported policy's, near enough
+    overrides = [f"output_dir={tmp_path}", tiny, f"distill.teacher_path={tmp_path}/quickstart/hf"]
+    cfg = load_config("configs/distill_quickstart.yaml", overrides)
+    assert cfg.distill.enabled and not cfg.distill.use_reward
+    summary = run_training(cfg)
+    records = read_metrics(tmp_path / "distill_quickstart" / "metrics.jsonl")
+    kl = [r["distill/reverse_kl"] for r in records]
+    rewards = [round(r["reward/mean"], 3) for r in records]
+    late_kl = sum(kl[-3:]) / 3
+    print(f"teacher reward {teacher_reward:.3f}; student rewards {rewards}; reverse KL {kl[0]:.3f} -> {late_kl:.4f}")
+    print(f"distillation run: {summary['wall_seconds']} s")
+    assert summary["wall_seconds"] < 600
+    assert kl[0] >= 5 * late_kl, [round(k, 4) for k in kl]
+    assert max(r["reward/mean"] for r in records) >= 0.9 * teacher_reward, (teacher_reward, rewards)
+    acc = summary["accounting"]
+    assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
