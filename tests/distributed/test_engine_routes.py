@@ -5,18 +5,23 @@ they leave the workers when fetched or dropped."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
 
+from megatron_rl.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_rl.parallel.torchrun import run_torchrun  # noqa: E402
 from megatron_rl.rollout.engine import EngineSpec, GenerationRequest  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
 from megatron_rl.weights.engine.routes import merge_worker_routes  # noqa: E402
 from megatron_rl.weights.engine.worker import DROP_ROUTES, FETCH_ROUTES, START_ROUTE_CAPTURE  # noqa: E402
-from tests.support.hf_routes import hf_routes_and_logprobs  # noqa: E402
+from tests.support.hf_routes import hf_routes_and_logprobs, perturbed_router_copy  # noqa: E402
 
-PROMPT, NEW, ROWS = 7, 24, 4
+PROMPT, NEW, ROWS = 7, 25, 4
+"""32 tokens a row: the trainer at TP2 (sequence parallel) takes lengths divisible by 2."""
 
 
 def _request(i: int, request_id: str) -> GenerationRequest:
@@ -74,11 +79,35 @@ def _check(hf: str, got: dict, engine_tp: int) -> None:
     assert got["report"][0]["fetched"] == ROWS and got["report"][0]["dropped"] == 1
 
 
+def trainer_agreement(hf: str, got: dict, root) -> tuple[int, int]:
+    """(equal, total) (token, layer) pairs of the engine's routes and those Megatron records at TP2 x EP2 for the
+    same tokens (gloo processes, `tests/support/routing_replay_worker.py`), the last position routing freely."""
+    tokens = torch.tensor([r.prompt_ids + r.token_ids for r in got["results"]])
+    routes = torch.zeros(*tokens.shape, 2, 2, dtype=torch.long)
+    routes[:, :-1] = torch.stack([torch.from_numpy(r.astype("int64")) for r in got["routes"]])
+    free = torch.zeros(tokens.shape, dtype=torch.bool)
+    free[:, -1] = True
+    paths = {name: str(root / f"{name}.pt") for name in ("tokens", "free", "engine_routes", "out")}
+    for name, value in (("tokens", tokens), ("free", free), ("engine_routes", routes)):
+        torch.save(value, paths[name])
+    hf_b = perturbed_router_copy(hf, root / "perturbed", 0.3)
+    case = {"hf_a": hf, "hf_b": str(hf_b), "layout": ParallelLayout(tp=2, ep=2, etp=1).__dict__,
+            "micro_batch_size": 2, **paths}  # fmt: skip
+    (root / "spec.json").write_text(json.dumps({"cases": [case]}))
+    run_torchrun("tests.support.routing_replay_worker", [str(root / "spec.json")], 2, 300, root / "log.txt")
+    return torch.load(paths["out"])["agree_engine"]
+
+
 @pytest.mark.slow
-def test_engine_routes_are_the_routers_choices(tiny_dir, local_ray):
-    """About 150 s here (the engine's start-up most of it)."""
+def test_engine_routes_are_the_routers_choices(tiny_dir, local_ray, tmp_path):
+    """About 3 min here (the engine's start-up most of it). The routes as fetched, laid out `[B, S, L, k]`, are
+    the ones the trainer's routers choose (the router agreement metric, here without replay)."""
     hf = tiny_dir("qwen3_moe")
-    _check(hf, engine_routes(hf, 1), 1)
+    got = engine_routes(hf, 1)
+    _check(hf, got, 1)
+    equal, total = trainer_agreement(hf, got, tmp_path)
+    print(f"engine TP1 routes vs Megatron TP2xEP2 recorded: {equal}/{total}")
+    assert total == ROWS * (PROMPT + NEW - 1) * 2 and equal / total >= 0.99
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
     layout            ParallelLayout fields
     tokens, free      paths of the [B, S] token tensor and its [B, S] bool free-routing mask
     micro_batch_size  rows per micro-batch (the forwards run several, in Megatron's schedule)
+    engine_routes     (optional) path of [B, S, L, k] routes an engine computed for the tokens on hf_a: their
+                      agreement with the routes Megatron records is reported
     out               where the owner rank (last stage, TP 0, DP 0) writes the results
 
 With pipeline parallel 1 the case also compares router gradients under replay with activation recompute on and off
@@ -118,6 +120,8 @@ def run_case(case: dict) -> None:
     with replay.recording():
         out["logprobs_a"] = forward_logprobs(model, ctx, tokens, mbs)
     routes_a = replay.recorded_routes(mbs, all_layers=True)
+    if case.get("engine_routes"):  # an engine's routes of the same tokens at A's weights: the router agreement
+        out["agree_engine"] = replay.agreement(replay.recorded_routes(mbs), torch.load(case["engine_routes"]), ~free)
     load_hf_into_model(model, HFCheckpoint(case["hf_b"]), rank.family, rank.arch, ctx)
     with replay.recording():
         out["logprobs_b"] = forward_logprobs(model, ctx, tokens, mbs)
