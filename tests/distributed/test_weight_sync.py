@@ -19,6 +19,7 @@ def _check_parity(report):
     assert report["max_abs_logprob_diff_before_sync"] > 0.5, report
 
 
+@pytest.mark.slow  # the expert-parallel case below covers a TP2 and a TP1 engine, in flight, in the default suite
 def test_tp2xep2_into_two_engines_one_with_tp2_three_versions_keep_inflight(tiny_dir):
     report = run_sync_check(
         tiny_dir("qwen3_moe"), ParallelLayout(tp=2, ep=2), engines=2, engine_tp=[1, 2], syncs=3,
@@ -39,7 +40,7 @@ def test_tp2xep2_into_an_expert_parallel_tp2_engine_and_a_tp1_engine_each_expert
         syncs=3, inflight_requests=4, inflight="keep", bucket_mb=0.5,
     )  # fmt: skip
     _check_parity(report)
-    assert report["max_abs_logprob_diff"] <= 1e-4, report
+    assert report["max_abs_logprob_diff"] <= 1e-4 and report["buckets"] > 2, report
     assert report["versions_per_sync"] == [{"engine-0": v, "engine-1": v} for v in (1, 2, 3)]
     assert report["hosted"] == {"1": "4/8 (linear): [0, 1, 2, 3]", "2": "4/8 (linear): [4, 5, 6, 7]", "3": "all"}
     # Each expert-parallel worker received the non-expert tensors and its own experts; engine-1 everything.
@@ -63,7 +64,7 @@ def test_into_a_data_parallel_expert_parallel_engine_every_replica_reports_and_r
         syncs=2, inflight_requests=2, bucket_mb=0.5,
     )  # fmt: skip
     _check_parity(report)
-    assert report["max_abs_logprob_diff"] <= 1e-4, report
+    assert report["max_abs_logprob_diff"] <= 1e-4 and report["buckets"] > 2, report
     assert report["hosted"] == {"1": "4/8 (linear): [0, 1, 2, 3]", "2": "4/8 (linear): [4, 5, 6, 7]"}
     share = report["non_expert_bytes"] + report["expert_bytes"] / 2
     received = report["received_bytes"]  # both replicas' workers reported (vLLM returns only the first's)

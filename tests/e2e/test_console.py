@@ -4,13 +4,15 @@ the end, its metrics in metrics.jsonl."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
+from megatron_rl.config import load_config
 from megatron_rl.metrics.console import PREFIX
-from megatron_rl.metrics.logger import read_metrics
+from megatron_rl.metrics.logger import is_step_record, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -19,11 +21,16 @@ MAX_UNPREFIXED = 40
 
 
 def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
+    """One short run checks the console and the run folder, and (a launch costs a minute, so it is shared) the
+    newer paths end to end: the reference model's KL subtracted from the rewards, GSPO with two mini-batches,
+    an entropy bonus, dynamic sampling at the buffer (the trainer configures it)."""
     steps = 4
     cmd = [
         sys.executable, "-m", "megatron_rl.cli", "train", "configs/quickstart.yaml", f"steps={steps}",
         f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "eval.interval=2", "eval.n=4",
-        "eval.max_prompts=6", "eval.pass_threshold=0.5",
+        "eval.max_prompts=6", "eval.pass_threshold=0.5", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward",
+        "algorithm.loss=gspo", "algorithm.ppo_minibatches=2", "algorithm.entropy_coef=0.01",
+        "algorithm.dynamic_sampling=true",
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -50,3 +57,17 @@ def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
     assert 0 <= last["eval/reward_mean"] <= 1 and "eval/mean@4" in last
     assert last["eval/version_min"] <= last["eval/version_max"] <= steps
     assert any(ln.startswith(f"{PREFIX} eval at version {steps}:") for ln in ours)
+    _check_new_paths(run_dir, [r for r in records if is_step_record(r)], steps)
+
+
+def _check_new_paths(run_dir, records: list[dict], steps: int) -> None:
+    """KL in the reward, GSPO's two updates, the entropy bonus and dynamic sampling, seen in the step records."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    prompts_per_step = load_config("configs/quickstart.yaml").prompts_per_step
+    assert len(records) == steps and summary["accounting"]["consumed"] == steps * prompts_per_step, summary
+    for r in records:
+        assert r["ppo/updates"] == 2 and r["guard/skipped_updates"] == 0
+        assert r["kl/reward_penalty_mean"] != 0 and "kl/penalty" not in r
+        assert r["loss/entropy_bonus"] > 0 and r["batch/zero_variance_frac"] == 0  # none reached the trainer
+    dropped = records[-1]["buffer/dropped_by_reason"].get("zero_variance", 0)
+    assert dropped == records[-1]["dynamic/dropped"]

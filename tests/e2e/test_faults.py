@@ -172,6 +172,7 @@ def _exactly_once(summary: dict, steps: int) -> None:
     assert acc["consumed"] == steps * 8
 
 
+@pytest.mark.slow  # the default suite has its cheap twin: tests/distributed/test_supervisor.py's hung engine
 def test_hung_engine_is_killed_restarted_and_its_prompts_requeued(tmp_path):
     """SIGSTOP: the engine is alive but answers nothing; past rollout.hang_timeout_s it is taken for dead."""
     run_dir = tmp_path / "engine-hang"

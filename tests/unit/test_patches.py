@@ -37,6 +37,61 @@ out = {
     "stream_noop": torch.cuda.current_stream() == torch.cuda.Stream(),
     "tensor_cuda": str(torch.ones(2).cuda().device),
 }
+
+
+def optimizer_checks():
+    import types
+    from megatron.core.optimizer import distrib_optimizer, optimizer as opt_mod
+    cls = distrib_optimizer.DistributedOptimizer
+    res = {"builder_is_classmethod": isinstance(cls.__dict__["_build_model_and_main_param_groups"], classmethod)}
+    # clip_grad_by_total_norm_fp32 accepts CPU fp32 grads (it asserted a CUDA type) and restores Tensor.type.
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 2.0)
+    opt_mod.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    res["clipped"] = round(float(p.grad[0]), 4)
+    res["type_restored"] = torch.ones(1).type()
+    # Loaded fully_reshardable tensors carry no 'step': the torch-AdamW state's own step is kept.
+    main = torch.zeros(3)
+    state = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    fake = types.SimpleNamespace(
+        config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+        model_param_group_index_map={"w": (0, 0)},
+        optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state={main: state}),
+    )
+    cls._set_main_param_and_optimizer_states(fake, "w", {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0), "exp_avg_sq": torch.full((3,), 3.0)})
+    res["set_states"] = [float(main[0]), float(state["exp_avg"][0]), float(state["exp_avg_sq"][0]), float(state["step"])]
+    return res
+
+
+def expert_bias_counts():
+    import types
+    from megatron.core.transformer.moe.router import TopKRouter
+    router = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
+    routing_map = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 0, 1], [0, 1, 1]], dtype=torch.bool)
+    padding = torch.tensor([False, False, True, True, False])
+    TopKRouter._apply_expert_bias(router, routing_map, padding_mask=padding)
+    return router.local_tokens_per_expert.tolist()
+
+
+def split_size_types():
+    seen = {}
+    def fake_all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None):
+        seen["types"] = [type(output_split_sizes).__name__, type(input_split_sizes).__name__]
+        out.copy_(inp)
+    real, torch.distributed.all_to_all_single = torch.distributed.all_to_all_single, fake_all_to_all_single
+    class G:
+        def size(self): return 2
+    try:
+        mappings._AllToAll.apply(G(), torch.ones(3, 2), torch.tensor([1, 2]), torch.tensor([2, 1]))
+    finally:
+        torch.distributed.all_to_all_single = real
+    return seen["types"]
+
+
+# One process for every Megatron-side check: each import of Megatron costs seconds.
+out["optimizer"] = optimizer_checks()
+out["expert_bias_counts"] = expert_bias_counts()
+out["split_types"] = split_size_types()
 print(json.dumps(out))
 """
 
@@ -80,78 +135,21 @@ def test_te_fallbacks(patched):
     assert patched["dpa_takes_channels"]
 
 
-def test_split_sizes_become_lists():
-    code = r"""
-import torch
-from megatron_rl.parallel.patches import apply_patches
-apply_patches()
-from megatron.core.tensor_parallel import mappings
-seen = {}
-def fake_all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None):
-    seen['types'] = (type(output_split_sizes).__name__, type(input_split_sizes).__name__)
-    out.copy_(inp)
-torch.distributed.all_to_all_single = fake_all_to_all_single
-class G:
-    def size(self): return 2
-mappings._AllToAll.apply(G(), torch.ones(3, 2), torch.tensor([1, 2]), torch.tensor([2, 1]))
-print(seen['types'])
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "('list', 'list')"
+def test_split_sizes_become_lists(patched):
+    assert patched["split_types"] == ["list", "list"]
 
 
-def test_optimizer_patches():
-    code = r"""
-import json, types, torch
-from megatron_rl.parallel.patches import apply_patches
-apply_patches()
-from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer as opt_mod
-cls = distrib_optimizer.DistributedOptimizer
-out = {"builder_is_classmethod": isinstance(cls.__dict__["_build_model_and_main_param_groups"], classmethod)}
-# clip_grad_by_total_norm_fp32 accepts CPU fp32 grads (it asserted a CUDA type) and restores Tensor.type.
-p = torch.nn.Parameter(torch.ones(4))
-p.grad = torch.full((4,), 2.0)
-opt_mod.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
-out["clipped"] = round(float(p.grad[0]), 4)
-out["type_restored"] = torch.ones(1).type()
-# Loaded fully_reshardable tensors carry no 'step': the torch-AdamW state's own step is kept.
-main = torch.zeros(3)
-state = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
-fake = types.SimpleNamespace(
-    config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
-    model_param_group_index_map={"w": (0, 0)},
-    optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state={main: state}),
-)
-cls._set_main_param_and_optimizer_states(fake, "w", {"param": torch.ones(3), "exp_avg": torch.full((3,), 2.0), "exp_avg_sq": torch.full((3,), 3.0)})
-out["set_states"] = [float(main[0]), float(state["exp_avg"][0]), float(state["exp_avg_sq"][0]), float(state["step"])]
-print(json.dumps(out))
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+def test_optimizer_patches(patched):
+    out = patched["optimizer"]
     assert out["builder_is_classmethod"]
     assert out["clipped"] == 0.5
     assert out["type_restored"] == "torch.FloatTensor"
     assert out["set_states"] == [1.0, 2.0, 3.0, 5.0]
 
 
-def test_expert_bias_counts_leave_padding_out():
+def test_expert_bias_counts_leave_padding_out(patched):
     """megatron-core 0.16.1 broadcast the [tokens] padding mask along the experts of the [tokens, experts] map."""
-    code = r"""
-import types, torch
-from megatron_rl.parallel.patches import apply_patches
-apply_patches()
-from megatron.core.transformer.moe.router import TopKRouter
-router = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(3))
-routing_map = torch.tensor([[1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 0, 1], [0, 1, 1]], dtype=torch.bool)
-padding = torch.tensor([False, False, True, True, False])
-TopKRouter._apply_expert_bias(router, routing_map, padding_mask=padding)
-print(router.local_tokens_per_expert.tolist())
-"""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "[1.0, 2.0, 3.0]"
+    assert patched["expert_bias_counts"] == [1.0, 2.0, 3.0]
 
 
 VLLM_READER = r"""
