@@ -1,10 +1,10 @@
 """The launcher's console: one prefixed line per event and per training step; everything else to log files.
 
 `megatron-rl train` shows only lines that start with `PREFIX`: what it starts, one line per step (reward, eval
-score, staleness, train-vs-rollout mismatch, tokens/s, sync seconds, ETA), warnings of this project, and the
-end. Third-party output goes to files under `RUN_DIR/logs/`: Python logging and warnings of the launcher process
-(Ray, vLLM, Megatron) to `launcher.log`, the trainer ranks' output to `trainer.log`, the engines' to `engine-*.log`
-(copied from Ray's own worker logs). With `--verbose` everything is shown as it comes.
+score, staleness, train-vs-rollout mismatch, reverse KL to a teacher, tokens/s, sync seconds, ETA), warnings of
+this project, and the end. Third-party output goes to files under `RUN_DIR/logs/`: Python logging and warnings of
+the launcher process (Ray, vLLM, Megatron) to `launcher.log`, the trainer ranks' output to `trainer.log`, the
+engines' to `engine-*.log` (copied from Ray's own worker logs). With `--verbose` everything is shown as it comes.
 
 The step lines are read from `metrics.jsonl` (which trainer rank 0 writes), so they work the same when the trainer
 runs elsewhere (`--external-trainer`, on a shared filesystem).
@@ -30,6 +30,7 @@ STEP_FIELDS = (
     ("eval/reward_mean", "eval", "{:.3f}"),
     ("staleness/mean", "stale", "{:.1f}"),
     ("mismatch/k3_kl", "mism", "{:.1e}"),
+    ("distill/reverse_kl", "kl", "{:.3f}"),
     ("throughput/trained_tokens_per_s", "tok/s", "{:.0f}"),
     ("sync/seconds", "sync", "{:.2f}s"),
 )

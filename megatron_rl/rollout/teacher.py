@@ -8,9 +8,9 @@ stores the response tokens' ones on the sample (`Sample.teacher_logprobs`), with
 `sample.metadata["teacher_latency_s"]`.
 
 A scoring that fails (timeout, engine error, a dead teacher, a non-finite logprob) raises `TeacherError`: the
-driver requeues the prompt as it does after a failed generation, so no sample is lost. A teacher whose actor died
-is restarted from its checkpoint (no weight sync: its weights never change), up to `rollout.max_engine_restarts`
-times; past that the run stops (GenerationError).
+driver requeues the prompt as it does after a failed generation, so no sample is lost. A teacher whose actor died,
+or that timed out and then answers no health call (hung), is restarted from its checkpoint (no weight sync: its
+weights never change), up to `rollout.max_engine_restarts` times; past that the run stops (GenerationError).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from megatron_rl.config import RunConfig
 from megatron_rl.errors import UserError
-from megatron_rl.rollout.driver import GenerationError, TeacherError, error_line, is_actor_death
+from megatron_rl.rollout.driver import GenerationError, TeacherError, ask_health, error_line, is_actor_death
 from megatron_rl.rollout.engine import EngineSpec
 from megatron_rl.rollout.tasks import load_tokenizer
 from megatron_rl.rollout.types import Sample
@@ -35,6 +35,8 @@ LATENCY_KEY = "teacher_latency_s"
 """`sample.metadata` key of the teacher call's seconds (the `distill/teacher_latency_s` metric)."""
 WAIT_POLL_S = 0.2
 """How often a scoring that finds every teacher down looks for a restarted one."""
+PROBE_TIMEOUT_S = 10.0
+"""How long a teacher whose scoring timed out gets to answer a health call before it is taken as hung."""
 
 
 class TeacherMismatchError(UserError, ValueError):
@@ -130,17 +132,18 @@ class TeacherScorer:
         died more often than allowed (the run cannot go on)."""
         start = time.perf_counter()
         name = await self._a_live_teacher()
+        actor = self.actors[name]  # a late failure of a replaced actor says nothing of its successor
         self.busy[name] += 1
         try:
-            scored = await asyncio.wait_for(
-                self.actors[name].score.remote([s.prompt_ids + s.response_ids for s in samples]), self.timeout_s
-            )
+            sequences = [s.prompt_ids + s.response_ids for s in samples]
+            scored = await asyncio.wait_for(actor.score.remote(sequences), self.timeout_s)
         except asyncio.TimeoutError:
             self.failures += 1
+            await self._check_hung(name, actor)
             raise TeacherError(f"{name} did not score within distill.request_timeout_s={self.timeout_s:g} s") from None
         except Exception as err:
             self.failures += 1
-            if is_actor_death(err):
+            if is_actor_death(err) and self.actors[name] is actor:
                 self._mark_down(name, error_line(err))
             raise TeacherError(f"{name}: {error_line(err)}") from err
         finally:
@@ -165,6 +168,15 @@ class TeacherScorer:
                 raise TeacherError(f"every teacher engine is down ({self.down}) for {self.timeout_s:g} s")
             await asyncio.sleep(WAIT_POLL_S)
 
+    async def _check_hung(self, name: str, actor) -> None:
+        """After a scoring on `actor` timed out: a teacher that is dead, or answers no health call within
+        `PROBE_TIMEOUT_S` (alive but stuck), is restarted; a slow but healthy one goes on."""
+        health, dead = await ask_health(actor, PROBE_TIMEOUT_S)
+        if dead is None and not health:
+            dead = f"hung: a scoring timed out and the health call got no answer within {PROBE_TIMEOUT_S:g} s"
+        if dead is not None and self.actors[name] is actor:
+            self._mark_down(name, dead)
+
     def _mark_down(self, name: str, reason: str) -> None:
         """Route nothing to `name` and restart it in the background (once, whatever the calls that saw it die)."""
         if name in self.down:
@@ -173,7 +185,7 @@ class TeacherScorer:
         count = self.restarts.get(name, 0)
         if count >= self.max_restarts:
             self.fatal = GenerationError(
-                f"{name} died again ({reason}) after {count} restart(s) (rollout.max_engine_restarts)"
+                f"{name} is down ({reason}) after {count} restart(s) (rollout.max_engine_restarts={self.max_restarts})"
             )
             return
         self.restarts[name] = count + 1

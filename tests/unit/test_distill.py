@@ -11,11 +11,12 @@ import shutil
 
 import pytest
 import torch
+from ray.exceptions import RayActorError
 
 from megatron_rl.algorithms.distill import distill_advantages, reverse_kl_sums
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.rollout.buffer import RolloutBuffer
-from megatron_rl.rollout.driver import TeacherError
+from megatron_rl.rollout.driver import GenerationError, TeacherError
 from megatron_rl.rollout.tasks import PromptStream
 from megatron_rl.rollout.teacher import (
     LATENCY_KEY,
@@ -208,3 +209,43 @@ def test_a_failed_teacher_scoring_requeues_the_prompt_and_loses_no_sample():
     assert driver.teacher.report()["failures"] == 2
     acc = buffer.check_accounting()
     assert acc["dropped"] == 0 and acc["produced"] == acc["consumed"] + acc["buffered"] + acc["in_flight"]
+
+
+class HungTeacher(StandInTeacher):
+    """Answers neither a scoring nor a health call."""
+
+    async def _score(self, sequences):
+        await asyncio.sleep(3600)
+
+    async def _health(self) -> dict:
+        await asyncio.sleep(3600)
+
+
+def test_a_hung_teacher_is_restarted_and_its_prompt_requeued(monkeypatch):
+    monkeypatch.setattr("megatron_rl.rollout.teacher.PROBE_TIMEOUT_S", 0.2)
+    restarted = []
+
+    def restart(name: str):
+        restarted.append(name)
+        return StandInTeacher()
+
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    driver = _running_driver(buffer, CountingTask(), StandInEngine(), 1)
+    driver.teacher = TeacherScorer({"teacher-0": HungTeacher()}, restart, timeout_s=0.5, max_restarts=1)
+    asyncio.run(_drive_until(driver, lambda: buffer.stats()["buffered"] >= 4))
+    assert restarted == ["teacher-0"] and driver.teacher.down == {}
+    assert driver.teacher.restarts == {"teacher-0": 1}
+    assert len(buffer.get_batch(4, 0, 1.0)) == 4 and buffer.check_accounting()["dropped"] == 0
+    assert driver.stats.teacher_failures >= 1 and driver.stats.requeued == driver.stats.teacher_failures
+
+
+def test_a_teacher_that_dies_past_its_restarts_stops_the_run():
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    driver = _running_driver(buffer, CountingTask(), StandInEngine(), 1)
+    dead = StandInTeacher({i: [RayActorError(error_msg="the teacher's actor died")] for i in range(8)})
+    driver.teacher = TeacherScorer({"teacher-0": dead}, restart=None, timeout_s=5.0, max_restarts=0)
+    with pytest.raises(
+        GenerationError,
+        match=r"teacher-0 is down .*actor died.* after 0 restart\(s\) \(rollout.max_engine_restarts=0\)",
+    ):
+        asyncio.run(_drive_until(driver, lambda: False))
