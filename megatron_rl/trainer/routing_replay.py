@@ -159,6 +159,7 @@ class RoutingReplay:
         self.num_moe_layers = len(numbers)
         self.top_k = self.config.moe_router_topk
         self.num_experts = self.config.num_moe_experts
+        self.routers = routers
         self.slots: list[RouterSlot] = []
         for router in routers:
             if router.layer_number not in numbers:
@@ -249,6 +250,32 @@ class RoutingReplay:
             yield self
         finally:
             self._set(None)
+
+    @contextlib.contextmanager
+    def dispatched(self, micro_batch_size: int) -> Iterator[dict]:
+        """The experts this rank's routers dispatched to within the block, whatever chose them (their routing maps:
+        replayed, free or own), as `[B, S, L_stage, k]` (ascending expert ids) in `out["routes"]` once the block
+        ends (every TP rank must be in it: sequence parallel gathers). Recomputes in the backward pass are not
+        counted."""
+        calls: dict[int, list[torch.Tensor]] = {}
+
+        def hook(module, args, output):
+            if not in_backward_pass():
+                routing_map = output[1]
+                rows = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1)
+                calls.setdefault(module.router_replay.column, []).append(rows)
+
+        handles = [router.register_forward_hook(hook) for router in self.routers]
+        out: dict = {}
+        try:
+            yield out
+        finally:
+            for handle in handles:
+                handle.remove()
+        if any(column not in calls for column in self.columns):
+            raise RoutingReplayError("routing replay: no forward of the model's routers ran in the dispatched block")
+        per_column = [torch.cat([self.whole_sequences(r, micro_batch_size) for r in calls[c]]) for c in self.columns]
+        out["routes"] = torch.stack(per_column, dim=2)
 
     def clear(self) -> None:
         """Drop targets and records of every slot."""

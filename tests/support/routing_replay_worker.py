@@ -35,30 +35,6 @@ def _routers(model) -> list[TopKRouter]:
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
-@contextlib.contextmanager
-def used_experts(model, replay: RoutingReplay, micro_batch_size: int):
-    """Collects the experts each of this stage's routers dispatched to (from their routing maps), as
-    `[B, S, L_stage, k]` in `out["routes"]` when the block ends."""
-    calls: dict[int, list[torch.Tensor]] = {}
-    handles = []
-    for router in _routers(model):
-        column = router.router_replay.column
-
-        def hook(module, args, output, column=column):
-            routing_map = output[1]
-            calls.setdefault(column, []).append(routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1))
-
-        handles.append(router.register_forward_hook(hook))
-    out: dict = {}
-    try:
-        yield out
-    finally:
-        for handle in handles:
-            handle.remove()
-    per_column = [torch.cat([replay.whole_sequences(r, micro_batch_size) for r in calls[c]]) for c in replay.columns]
-    out["routes"] = torch.stack(per_column, dim=2)
-
-
 def router_grads(model, replay, tokens, routes, free, recompute: bool) -> tuple[torch.Tensor, int]:
     """(gradient of the summed next-token losses w.r.t. every router weight of this rank, how many router calls ran
     inside the backward pass), for one micro-batch replaying `routes` (unless None), with full activation
@@ -127,7 +103,7 @@ def run_case(case: dict) -> None:
         out["logprobs_b"] = forward_logprobs(model, ctx, tokens, mbs)
     out["routes_b"] = replay.recorded_routes(mbs, all_layers=True)
     out["agree_free"] = replay.agreement(replay.recorded_routes(mbs), routes_a)
-    with replay.replaying(routes_a, free, mbs, record=True), used_experts(model, replay, mbs) as used:
+    with replay.replaying(routes_a, free, mbs, record=True), replay.dispatched(mbs) as used:
         out["logprobs_replay"] = forward_logprobs(model, ctx, tokens, mbs)
     out["own_under_replay"] = replay.recorded_routes(mbs, all_layers=True)
     valid = ~free
