@@ -1,4 +1,4 @@
-"""`megatron-rl verify parity | sync | roundtrip`: checks of the trainer, the weight sync and conversions against
+"""`megatron-rl verify parity | sync | routing | roundtrip`: checks of the trainer, the weight sync and conversions against
 Hugging Face and the engines."""
 
 from __future__ import annotations
@@ -52,6 +52,25 @@ def add_parser(sub) -> None:
     q.add_argument("--timeout", type=positive_number, default=300.0)
     add_json_flag(q)
     q.set_defaults(run=run_sync)
+    q = ver.add_parser(
+        "routing", help="routing replay: a perturbed-router engine's routes replayed in the trainer at a layout"
+    )
+    q.add_argument("--hf", required=True)
+    add_layout_args(q)
+    q.add_argument("--engine-tp", type=positive_int, default=1, help="vLLM TP size of the engine")
+    q.add_argument("--prompts", type=positive_int, default=4)
+    q.add_argument("--prompt-len", type=positive_int, default=8)
+    q.add_argument("--response-len", type=positive_int, default=24)
+    q.add_argument("--temperature", type=positive_number, default=1.0)
+    q.add_argument(
+        "--perturb", type=positive_number, default=0.5,
+        help="engine router selection bias per expert, in units of each token's router-logit std",
+    )  # fmt: skip
+    q.add_argument("--seed", type=non_negative_int, default=0)
+    q.add_argument("--tolerance", type=positive_number, default=1e-5, help="max |logprob diff| with replay")
+    q.add_argument("--timeout", type=positive_number, default=600.0)
+    add_json_flag(q)
+    q.set_defaults(run=run_routing)
     q = ver.add_parser("roundtrip", help="compare two HF checkpoints tensor by tensor")
     q.add_argument("first")
     q.add_argument("second")
@@ -87,6 +106,18 @@ def run_sync(args: argparse.Namespace) -> dict:
     report.pop("syncs", None)
     report["passed"] = report["max_abs_logprob_diff"] <= args.tolerance and report["version"] == args.syncs
     return report
+
+
+def run_routing(args: argparse.Namespace) -> dict:
+    """A perturbed-router engine's routes replayed in the trainer: agreement and logprobs with and without."""
+    from megatron_rl.verify.routing import RoutingCheck, run_routing_check  # Ray, vLLM, torch: not for --help
+
+    check = RoutingCheck(
+        prompts=args.prompts, prompt_len=args.prompt_len, response_len=args.response_len,
+        temperature=args.temperature, perturb=args.perturb, seed=args.seed, engine_tp=args.engine_tp,
+        tolerance=args.tolerance, timeout_s=args.timeout,
+    )  # fmt: skip
+    return run_routing_check(args.hf, layout_from_config(args), check)
 
 
 def run_roundtrip(args: argparse.Namespace) -> dict:

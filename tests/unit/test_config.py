@@ -145,6 +145,8 @@ def test_host_names_addresses_and_auto_are_accepted():
         (["verify", "parity", "--hf", "x", "--timeout", "nan"], "argument --timeout: 'nan': must be a finite number"),
         (["convert", "hf-to-mcore", "--hf", "x", "--out", "y", "--tp", "0"], "argument --tp: '0': must be at least 1"),
         (["verify", "sync", "--hf", "x", "--inflight-requests", "-1"], "--inflight-requests: '-1': must not be neg"),
+        (["verify", "routing", "--hf", "x", "--perturb", "0"], "argument --perturb: '0': must be a finite number"),
+        (["verify", "routing", "--hf", "x", "--ep", "-2"], "argument --ep: '-2': must be at least 1"),
     ],
 )
 def test_bad_flags_are_usage_errors_not_tracebacks(argv, message, capsys):

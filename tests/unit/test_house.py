@@ -162,7 +162,9 @@ def test_function_level_imports_are_few_and_each_says_why():
     assert not unexplained, "imports inside functions without a reason:\n" + "\n".join(unexplained)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["verify", "sync", "--help"], ["train", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["verify", "sync", "--help"], ["verify", "routing", "--help"], ["train", "--help"]]
+)
 def test_help_imports_no_torch_ray_or_vllm(argv):
     probe = (
         "import sys\nfrom megatron_rl.cli import main\n"

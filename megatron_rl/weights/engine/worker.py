@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rl.parallel.patches import applied_vllm_patches
 from megatron_rl.weights.engine.receiver import WeightReceiver
+from megatron_rl.weights.engine.router_bias import RouterBias
 from megatron_rl.weights.engine.routes import RouteCapture
 
 if TYPE_CHECKING:
@@ -128,6 +129,27 @@ class WeightUpdateExtension:
         """Forget these requests' routes (aborted ones nobody will fetch)."""
         return self.mrl_route_capture().drop(request_ids)
 
+    def mrl_perturb_routing(self, scale: float, seed: int = 0) -> dict:
+        """Perturb every MoE router's top-k selection (not its gate weights) from now on (`router_bias.py`; a
+        second call installs the new perturbation over the first); its report."""
+        self._mrl_router_bias = RouterBias(self.model_runner.get_model(), scale, seed)
+        return {**self._mrl_router_bias.describe(), "answers": self.mrl_first_tp_rank()}
+
+    def mrl_routing_flips(self, reset: bool = True) -> dict:
+        """(token, layer) pairs the perturbed routers routed since the last reset, and how many choices flipped;
+        `answers` is False on the TP peers, which routed the same tokens."""
+        bias = getattr(self, "_mrl_router_bias", None)
+        if bias is None:
+            raise RuntimeError(f"routing flips before {PERTURB_ROUTING}")
+        return {**bias.take_counts(reset), "answers": self.mrl_first_tp_rank()}
+
+    def mrl_first_tp_rank(self) -> bool:
+        """Whether this worker is the first of its tensor-parallel group (TP peers route identically)."""
+        # Here, not at the top: it imports vLLM, and the launcher imports this module (module doc).
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().is_first_rank
+
 
 EXTENSION = f"{WeightUpdateExtension.__module__}.{WeightUpdateExtension.__qualname__}"
 """The production extension by qualified name (vLLM's `worker_extension_cls` takes a name)."""
@@ -147,6 +169,12 @@ FETCH_ROUTES = WeightUpdateExtension.mrl_fetch_routes.__name__
 `routes.merge_worker_routes`."""
 DROP_ROUTES = WeightUpdateExtension.mrl_drop_routes.__name__
 """RPC: forget requests' routes (args: list of ids)."""
+PERTURB_ROUTING = WeightUpdateExtension.mrl_perturb_routing.__name__
+"""RPC: perturb the MoE routers' top-k selection, not their gate weights (args: scale, seed); each worker's
+report (`verify routing`)."""
+ROUTING_FLIPS = WeightUpdateExtension.mrl_routing_flips.__name__
+"""RPC: each worker's counts of routed (token, layer) pairs and of flipped choices since the last reset (args:
+reset); sum those that answer."""
 EXPERT_PLACEMENT = WeightUpdateExtension.mrl_expert_placement.__name__
 """RPC: which experts each worker hosts (only the first data-parallel replica's workers answer through
 `collective_rpc`; the sync reads every worker's from the weight groups' stores)."""
