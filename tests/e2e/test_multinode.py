@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -164,7 +165,8 @@ def test_two_torchrun_agents_meet_through_c10d_rendezvous(tmp_path, short_dir):
         procs.stop()
         subprocess.run(["bash", str(RAY_CLUSTER), "stop", "--state-dir", str(state)], env=env, timeout=120)
     _finished(run_dir)
-    ranks = {n: [w.strip() for w in procs.log(n).splitlines() if "group_rank=" in w] for n in ("agent0", "agent1")}
+    # torchrun's INFO lines carry a glog prefix ("I1202 18:57:16.003 ... api.py:553]   group_rank=0").
+    ranks = {n: re.findall(r"\bgroup_rank=\d+", procs.log(n)) for n in ("agent0", "agent1")}
     assert sorted(r for found in ranks.values() for r in found) == ["group_rank=0", "group_rank=1"], ranks
     assert all("group_world_size=2" in procs.log(n) for n in ranks)
 
