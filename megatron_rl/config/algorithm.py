@@ -80,6 +80,10 @@ class AlgorithmConfig(Section):
     """Apply the engines' top-k / top-p mask (`rollout.top_k`, `rollout.top_p`) to the trainer's logits before
     every logprob, so importance ratios compare the truncated distribution the engines sampled from; off: plain
     tempered logprobs (only to measure the bias). Nothing changes while top-k and top-p are off."""
+    routing: Literal["free", "measure", "replay"] = "free"
+    """MoE routing between engine and trainer: `free` (each routes by itself), `measure` (the engines return every
+    token's experts and the trainer reports `routing/agreement` with its own choices), `replay` (R3: the trainer's
+    routers use the engines' experts in the proximal and training forwards; agreement is still reported)."""
     max_skipped_updates_in_a_row: int = Field(5, ge=1)
     """Updates whose loss or gradient norm is not finite are skipped (counted); this many in a row stop the run."""
     forced_lag: int = Field(0, ge=0)

@@ -100,7 +100,7 @@ class Sample:
             prompt_index=prompt_index,
             finish_reason=result.finish_reason,
             engine=result.engine,
-            metadata=dict(metadata),
+            metadata=dict(metadata) | ({"routes": result.routes} if getattr(result, "routes", None) else {}),
         )
 
 

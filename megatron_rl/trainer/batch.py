@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.algorithms.advantages import compute_advantages
+from megatron_rl.models.routes import decode_routes
 
 if TYPE_CHECKING:  # the rollout's sample contract; the trainer only reads its fields
     from megatron_rl.rollout.types import Group
@@ -50,6 +51,10 @@ class TrainBatch:
     them)."""
     group_ids: Tensor | None = None
     """`[B]` int64 index of each sequence's group in the global batch (0..G-1)."""
+    routes: Tensor | None = None
+    """`[B, S, moe_layers, top_k]` the experts the engine chose for each position (routing replay / agreement)."""
+    route_free: Tensor | None = None
+    """`[B, S]` bool, True where `routes` holds nothing (each sequence's last token and the padding)."""
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +95,11 @@ class TrainBatch:
             if bool(beyond.any()):
                 row = int(beyond.any(dim=1).nonzero()[0])
                 raise ValueError(f"lengths: row {row} has loss_mask beyond its length {int(lengths[row])}")
+        if self.routes is not None and (
+            self.routes.dim() != 4 or tuple(self.routes.shape[:2]) != (b, s) or self.route_free is None
+            or tuple(self.route_free.shape) != (b, s)
+        ):  # fmt: skip
+            raise ValueError(f"routes: expected [{b}, {s}, layers, top_k] with route_free [{b}, {s}]")
         if tuple(self.advantages.shape) not in ((b,), (b, s - 1)):
             raise ValueError(f"advantages: expected shape {(b,)} or {(b, s - 1)}, got {tuple(self.advantages.shape)}")
 
@@ -189,6 +199,7 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     if any(scored) and not all(scored):
         raise ValueError(f"{scored.count(False)} of {len(samples)} samples have no teacher logprobs (all or none must)")
     teacher = torch.zeros(len(samples), seq - 1) if all(scored) else None
+    routes, route_free = batch_routes(samples, seq)
     for row, sample in enumerate(samples):
         ids = list(sample.prompt_ids) + list(sample.response_ids)
         tokens[row, : len(ids)] = torch.tensor(ids)
@@ -205,5 +216,28 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     return TrainBatch(
         tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths,
-        rewards=rewards, group_ids=group_ids, teacher_logprobs=teacher,
+        rewards=rewards, group_ids=group_ids, teacher_logprobs=teacher, routes=routes, route_free=route_free,
     )  # fmt: skip
+
+
+def batch_routes(samples: Sequence, seq: int) -> tuple[Tensor | None, Tensor | None]:
+    """(`[B, S, L, k]` routes, `[B, S]` free mask) from the samples' `metadata["routes"]` (all or none carry them),
+    row r position t the experts that computed token t of prompt + response; (None, None) when none carry them."""
+    carried = ["routes" in s.metadata for s in samples]
+    if not any(carried):
+        return None, None
+    if not all(carried):
+        raise ValueError(f"{carried.count(False)} of {len(samples)} samples carry no routes (all or none must)")
+    rows = [decode_routes(s.metadata["routes"]) for s in samples]
+    shapes = {r.shape[1:] for r in rows}
+    if len(shapes) != 1:
+        raise ValueError(f"samples' routes have different [layers, top_k]: {sorted(shapes)}")
+    routes = torch.zeros(len(samples), seq, *shapes.pop(), dtype=torch.long)
+    free = torch.ones(len(samples), seq, dtype=torch.bool)
+    for row, (sample, r) in enumerate(zip(samples, rows)):
+        n = len(sample.prompt_ids) + len(sample.response_ids) - 1  # the last token was never fed to the engine
+        if r.shape[0] != n:
+            raise ValueError(f"sample of prompt {sample.prompt_index}: routes for {r.shape[0]} positions, expected {n}")
+        routes[row, :n] = torch.from_numpy(r.astype("int64"))
+        free[row, :n] = False
+    return routes, free

@@ -10,7 +10,9 @@ version counts batches.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from megatron_rl.trainer.checkpoint import load_checkpoint, load_rng, save_check
 from megatron_rl.trainer.hf_weights import load_hf_into_model
 from megatron_rl.trainer.model import BuildOptions, build_gpt_model
 from megatron_rl.trainer.optimizer import TrainingState, build_training, unwrap_model
+from megatron_rl.trainer.routing_replay import BatchRouting
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.trainer.train_step import (
     broadcast_from_owner,
@@ -161,19 +164,25 @@ def train_batch(
     reference=None,
     skips: SkipCounter | None = None,
     distill: Distillation | None = None,
+    routing: BatchRouting | None = None,
 ) -> dict:
     """Every update of one batch (this replica's share): proximal and reference logprobs when needed (under the
     spec's sampling mask, as the current ones), KL in the reward, the teacher's term in the advantages (with
-    `distill`), then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`)."""
+    `distill`), then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`). With
+    `routing`, every forward of the policy replays the engines' experts (or only measures agreement, in the first
+    forward of the batch)."""
     updates = updates_per_batch(algo)
     mask = spec.sampling_mask
     untempered = None
-    if distill is not None:  # one forward: the proximal logprobs and the untempered ones the teacher's compare with
-        batch, untempered = with_proximal_and_untempered(
-            state.model, ctx, batch, distill.temperature, micro_batch_size, mask
-        )
-    elif spec.uses_proximal and (updates > 1 or spec.kept_mask_matters):
-        batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size, mask)
+    routed = functools.partial(_routed, routing, micro_batch_size)
+    proximal = distill is not None or (spec.uses_proximal and (updates > 1 or spec.kept_mask_matters))
+    with routed(batch, measure=proximal):
+        if distill is not None:  # one forward: the proximal logprobs and the untempered ones the teacher's compare
+            batch, untempered = with_proximal_and_untempered(
+                state.model, ctx, batch, distill.temperature, micro_batch_size, mask
+            )
+        elif proximal:
+            batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size, mask)
     extra = {}
     if reference is not None:
         ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size, mask)  # last stage only, like the loss
@@ -196,12 +205,20 @@ def train_batch(
     results = []
     for epoch in range(algo.ppo_epochs):
         for index, mb in enumerate(minibatches):
-            stats = train_step(state, ctx, mb, spec, micro_batch_size)
+            with routed(mb, measure=not proximal and epoch == 0):
+                stats = train_step(state, ctx, mb, spec, micro_batch_size)
             results.append(stats)
             if skips is not None:
                 where = f"epoch {epoch} mini-batch {index}: loss {stats.get('loss')}, grad norm {stats['grad_norm']}"
                 skips.record(bool(stats["guard/skipped"]), where)
+    if routing is not None:
+        extra |= routing.stats(ctx.dp_group)
     return aggregate_updates(results, len(minibatches)) | extra
+
+
+def _routed(routing: BatchRouting | None, micro_batch_size: int, batch: TrainBatch, measure: bool):
+    """`routing.forward(...)` around one forward of the policy, or nothing without routing replay/measurement."""
+    return contextlib.nullcontext() if routing is None else routing.forward(batch, micro_batch_size, measure)
 
 
 def weights_finite(model) -> bool:
@@ -233,6 +250,8 @@ class Learner:
         self.spec = loss_spec(cfg.algorithm, cfg.rollout.max_new_tokens, sampling)
         self.skips = SkipCounter(cfg.algorithm.max_skipped_updates_in_a_row)
         self.distill = Distillation.of(cfg)
+        mode = cfg.algorithm.routing
+        self.routing = None if mode == "free" else BatchRouting(self.rank.model, mode)
 
     def _reference_model(self, opts: BuildOptions):
         """A frozen copy of the starting policy at the same layout, for the KL penalty."""
@@ -247,7 +266,7 @@ class Learner:
         t0 = time.perf_counter()
         stats = train_batch(
             self.state, self.rank.ctx, batch, self.cfg.algorithm, self.spec, self.cfg.trainer.micro_batch_size,
-            self.reference, self.skips, self.distill,
+            self.reference, self.skips, self.distill, self.routing,
         )  # fmt: skip
         stats["guard/skipped_updates_total"] = float(self.skips.total)
         stats["time/train_s"] = time.perf_counter() - t0

@@ -354,3 +354,39 @@ def route_agreement(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None
     if valid is not None:
         same = same[valid.bool()]
     return int(same.sum()), int(same.numel())
+
+
+class BatchRouting:
+    """How a batch's forwards of the policy route (`algorithm.routing`: `measure` or `replay`), and the router
+    agreement between the engines' experts (`TrainBatch.routes`) and the trainer's own choices they measured."""
+
+    def __init__(self, model, mode: str):
+        self.replay = RoutingReplay(model)
+        self.mode = mode
+        self.equal = self.total = 0
+
+    @contextlib.contextmanager
+    def forward(self, batch, micro_batch_size: int, measure: bool) -> Iterator[None]:
+        """Around one forward(-backward) schedule over `batch` (a `TrainBatch`): the engines' routes replayed
+        (mode `replay`), and with `measure` the routers' own choices compared with them (every rank)."""
+        if batch.routes is None:
+            raise RoutingReplayError(
+                f"algorithm.routing={self.mode} but the batch carries no routes (engines started without capture?)"
+            )
+        if self.mode == "replay":
+            block = self.replay.replaying(batch.routes, batch.route_free, micro_batch_size, record=measure)
+        else:
+            block = self.replay.recording() if measure else contextlib.nullcontext()
+        with block:
+            yield
+        if measure:
+            recorded = self.replay.recorded_routes(micro_batch_size)
+            equal, total = self.replay.agreement(recorded, batch.routes, ~batch.route_free)
+            self.equal, self.total = self.equal + equal, self.total + total
+
+    def stats(self, dp_group) -> dict[str, float]:
+        """`routing/agreement` over the whole batch (summed over data parallel), then the counts start again."""
+        counts = torch.tensor([self.equal, self.total], dtype=torch.float64)
+        dist.all_reduce(counts, group=dp_group)
+        self.equal = self.total = 0
+        return {"routing/agreement": float(counts[0] / counts[1]) if counts[1] else float("nan")}
