@@ -23,14 +23,15 @@ MAX_UNPREFIXED = 40
 def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
     """One short run checks the console and the run folder, and (a launch costs a minute, so it is shared) the
     newer paths end to end: the reference model's KL subtracted from the rewards, GSPO with two mini-batches,
-    an entropy bonus, dynamic sampling at the buffer (the trainer configures it)."""
+    an entropy bonus, dynamic sampling at the buffer (the trainer configures it), routing replay (the engine's
+    routes in every policy forward)."""
     steps = 4
     cmd = [
         sys.executable, "-m", "megatron_rl.cli", "train", "configs/quickstart.yaml", f"steps={steps}",
         f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "eval.interval=2", "eval.n=4",
         "eval.max_prompts=6", "eval.pass_threshold=0.5", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward",
         "algorithm.loss=gspo", "algorithm.ppo_minibatches=2", "algorithm.entropy_coef=0.01",
-        "algorithm.dynamic_sampling=true",
+        "algorithm.dynamic_sampling=true", "algorithm.routing=replay",
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -61,7 +62,8 @@ def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
 
 
 def _check_new_paths(run_dir, records: list[dict], steps: int) -> None:
-    """KL in the reward, GSPO's two updates, the entropy bonus and dynamic sampling, seen in the step records."""
+    """KL in the reward, GSPO's two updates, the entropy bonus, dynamic sampling and routing replay, seen in the step
+    records."""
     summary = json.loads((run_dir / "summary.json").read_text())
     prompts_per_step = load_config("configs/quickstart.yaml").prompts_per_step
     assert len(records) == steps and summary["accounting"]["consumed"] == steps * prompts_per_step, summary
@@ -69,5 +71,8 @@ def _check_new_paths(run_dir, records: list[dict], steps: int) -> None:
         assert r["ppo/updates"] == 2 and r["guard/skipped_updates"] == 0
         assert r["kl/reward_penalty_mean"] != 0 and "kl/penalty" not in r
         assert r["loss/entropy_bonus"] > 0 and r["batch/zero_variance_frac"] == 0  # none reached the trainer
+        assert 0.5 < r["routing/agreement"] <= 1.0, r["routing/agreement"]  # the routers' own choices vs the engine's
+    # Step 1 trains on samples of version 0: the trainer's weights are the engine's, so its routers agree.
+    assert records[0]["routing/agreement"] >= 0.99, records[0]["routing/agreement"]
     dropped = records[-1]["buffer/dropped_by_reason"].get("zero_variance", 0)
     assert dropped == records[-1]["dynamic/dropped"]
