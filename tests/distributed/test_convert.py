@@ -45,7 +45,7 @@ def test_round_trip_is_bit_identical(mcore_tp2_pp2_ep2, tiny_dir, tmp_path):
     assert AutoConfig.from_pretrained(str(back)).model_type == "qwen3_moe"
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_round_trip_other_families(family, tiny_dir, tmp_path):
     mcore, back = tmp_path / "mcore", tmp_path / "hf"
     hf_to_mcore(tiny_dir(family), str(mcore), ParallelLayout(tp=2, ep=2))

@@ -36,7 +36,7 @@ def _verify_parity(hf_dir: str, *layout_args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("family, layers", [("qwen3_moe", 3), ("deepseek_v3", 4)])
+@pytest.mark.parametrize("family, layers", [("qwen3_moe", 3), pytest.param("deepseek_v3", 4, marks=pytest.mark.slow)])
 def test_parity_pp2_first_stage_one_layer(family, layers, uneven_dirs):
     report = _verify_parity(uneven_dirs[family], "--pp", "2", "--first-stage-layers", "1")
     assert report["family"] == family

@@ -59,6 +59,7 @@ def test_weight_sync_bench_ep_case_reports_each_workers_bytes_beside_the_broadca
         assert ep["received_bytes_broadcast"][worker] >= result["bytes"]  # everything
 
 
+@pytest.mark.slow  # a benchmark's smoke test: conversion itself is tested in tests/distributed/test_convert.py
 def test_convert_bench_reports_conversion_and_plain_read_write():
     result = run_bench("convert.py", "--layers", "2", "--hidden", "256", "--experts", "4")
     assert result["layout"].startswith("tp2") and "ep2" in result["layout"]
