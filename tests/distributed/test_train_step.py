@@ -237,7 +237,7 @@ def _max_eval_diff(a: dict, b: dict, index: int) -> float:
     return float((a["evals"][index] - b["evals"][index]).abs().max())
 
 
-def _check_match(ref: dict, got: dict, boundary_flips: float = 0.0) -> None:
+def _check_match(ref: dict, got: dict, boundary_flips: float = 0.0, loss_tol: float = LOSS_TOL) -> None:
     """Same loss, grad norm and stats at every step; same logprobs before and after each step.
 
     `boundary_flips`: the fraction of positions whose logprob may differ by more than LOGPROB_TOL (at most 1e-2).
@@ -246,7 +246,7 @@ def _check_match(ref: dict, got: dict, boundary_flips: float = 0.0) -> None:
     normaliser by about the token's probability: a discontinuity of top-p, not a sharding error.
     """
     for i, (want, have) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
-        assert abs(want["loss"] - have["loss"]) <= LOSS_TOL, (i, want["loss"], have["loss"])
+        assert abs(want["loss"] - have["loss"]) <= loss_tol, (i, want["loss"], have["loss"])
         assert abs(want["grad_norm"] - have["grad_norm"]) <= GRAD_NORM_RTOL * want["grad_norm"], (i, want, have)
         assert want["lr"] == pytest.approx(have["lr"], rel=1e-12)
         for key in (
@@ -400,7 +400,9 @@ def test_entropy_is_vocab_parallel_and_its_bonus_trains(reports):
     """The entropy (metric and bonus) at TP2, each rank holding half of the vocabulary, equals TP1's; the bonus
     changes the update (its gradient flows through the all-reduces)."""
     ref = reports["moe-entropy-1x1x1"]
-    _check_match(ref, reports["moe-entropy-tp2"])
+    # The second step's loss carries the bonus over the vocabulary, summed in float32 over two halves at TP2 after
+    # an update: it has differed by 1.0e-5 to 1.9e-5 (7e-5 relative) from run to run, so 5e-5 as for padding.
+    _check_match(ref, reports["moe-entropy-tp2"], loss_tol=PADDED_LOSS_TOL)
     step = ref["steps"][0]
     assert 0 < step["policy/entropy"] < math.log(VOCAB) and step["loss/entropy_bonus"] > 0
     plain = reports["moe-1x1x1"]["steps"][0]

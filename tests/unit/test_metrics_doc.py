@@ -20,7 +20,7 @@ DOC = ROOT / "docs" / "metrics.md"
 
 GROUPS = (
     "reward", "response", "rollout", "batch", "loss", "ppo", "kl", "policy", "is", "mismatch", "staleness", "time",
-    "throughput", "sync", "buffer", "dynamic", "guard", "eval", "engines", "distill",
+    "throughput", "sync", "buffer", "dynamic", "guard", "eval", "engines", "distill", "routing",
 )  # fmt: skip
 """Every metric group: a string `<group>/<name>` anywhere in the package is a metric key."""
 KEY = re.compile(rf"^(?:{'|'.join(GROUPS)})/[\w@/]+$")
