@@ -176,7 +176,7 @@ def train_batch(
     untempered = None
     routed = functools.partial(_routed, routing, micro_batch_size)
     proximal = distill is not None or (spec.uses_proximal and (updates > 1 or spec.kept_mask_matters))
-    with routed(batch, measure=proximal):
+    with routed(batch, measure=True) if proximal else contextlib.nullcontext():  # no forward here: nothing to route
         if distill is not None:  # one forward: the proximal logprobs and the untempered ones the teacher's compare
             batch, untempered = with_proximal_and_untempered(
                 state.model, ctx, batch, distill.temperature, micro_batch_size, mask
