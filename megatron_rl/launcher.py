@@ -78,6 +78,7 @@ def engine_specs(cfg: RunConfig, hf_path: str) -> list:
             gpu_memory_utilization=r.gpu_memory_utilization, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
             seed=cfg.trainer.seed + i, max_num_seqs=max(16, r.max_concurrent_prompts * r.samples_per_prompt),
             cpu_affinity=list(r.cpu_affinity), capture_routes=cfg.algorithm.routing != "free",
+            max_logprobs=max(20, r.top_k + 1) if cfg.returns_kept_sets else 20,
         )
         for i in range(r.num_engines)
     ]  # fmt: skip

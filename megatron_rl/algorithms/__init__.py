@@ -54,7 +54,12 @@ from megatron_rl.algorithms.masked import (
     masked_min,
     masked_sum,
 )
-from megatron_rl.algorithms.metrics import effective_sample_size, is_weight_stats, mismatch_metrics
+from megatron_rl.algorithms.metrics import (
+    effective_sample_size,
+    fresh_mismatch_metrics,
+    is_weight_stats,
+    mismatch_metrics,
+)
 from megatron_rl.algorithms.objective import LossSpec, denominators, policy_loss
 
 __all__ = [
@@ -95,6 +100,7 @@ __all__ = [
     "masked_min",
     "masked_sum",
     "mismatch_metrics",
+    "fresh_mismatch_metrics",
     "policy_loss",
     "ppo_token_loss",
     "reverse_kl_rewards",

@@ -28,6 +28,31 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
     }
 
 
+def fresh_mismatch_metrics(
+    start_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, versions: Tensor, version: int
+) -> dict[str, Tensor]:
+    """Train-vs-rollout mismatch apart from staleness drift (detached 0-d tensors): `mismatch_metrics` over the
+    response tokens the engine sampled with weights of exactly `version`, the weights that computed
+    `start_logprobs` (the batch's first forward), so only the two stacks' numerics (and, without the engine's
+    routes or kept sets, routing and mask differences) separate them.
+
+    `versions` `[B, S-1]` holds each position's weight version (`TrainBatch.versions`). Keys:
+    `mismatch/fresh_k3_kl`, `mismatch/fresh_abs_diff_mean`, `mismatch/fresh_abs_diff_max` (0 when no token is
+    fresh), `mismatch/fresh_tokens` (how many are) and `mismatch/fresh_frac` (their share of the mask's tokens).
+    """
+    mask = mask if mask.dtype == torch.bool else mask != 0
+    fresh = mask & (versions.to(mask.device) == version)
+    all_tokens = mismatch_metrics(start_logprobs, rollout_logprobs, fresh)
+    count = masked_count(fresh).double()
+    return {
+        "mismatch/fresh_k3_kl": all_tokens["mismatch/k3_kl"],
+        "mismatch/fresh_abs_diff_mean": all_tokens["mismatch/abs_diff_mean"],
+        "mismatch/fresh_abs_diff_max": all_tokens["mismatch/abs_diff_max"],
+        "mismatch/fresh_tokens": count,
+        "mismatch/fresh_frac": count / masked_count(mask).double().clamp(min=1.0),
+    }
+
+
 def effective_sample_size(weights: Tensor, mask: Tensor) -> Tensor:
     """Normalised effective sample size of importance weights over the mask: (sum w)^2 / (sum w^2) / n.
 

@@ -83,3 +83,31 @@ def masked_log_softmax(logits: Tensor, temperature: float = 1.0, top_k: int = -1
     tempered = logits.float() / temperature
     keep = keep_mask(tempered, top_k, top_p)
     return tempered.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
+
+
+KEEP_ALL = -2
+"""First entry of a kept-set row that keeps every token: positions nothing is trained on (prompt, padding)."""
+
+
+def engine_keep_mask(kept: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
+    """(keep `[n, width]` bool on the vocabulary slice `[start, start + width)`, known `[n]` bool) from the
+    engine's kept sets `kept` `[n, K]`: global token ids padded with `models.routes.KEPT_PAD` (-1).
+
+    A row of only padding is unknown (known False, keep all False: the caller recomputes it); a row starting
+    with `KEEP_ALL` keeps every token. Each TP rank calls it with its own slice of the vocabulary.
+    """
+    kept = kept.long()
+    local = kept - start
+    inside = (kept >= 0) & (local >= 0) & (local < width)
+    keep = torch.zeros(kept.shape[0], width + 1, dtype=torch.bool, device=kept.device)
+    keep.scatter_(1, torch.where(inside, local, torch.full_like(local, width)), True)  # column `width`: discarded
+    keep = keep[:, :width]
+    every = kept[:, 0] == KEEP_ALL
+    keep[every] = True
+    return keep, every | (kept >= 0).any(dim=-1)
+
+
+def in_kept_set(kept: Tensor, labels: Tensor) -> Tensor:
+    """Bool `[n]`: whether each `labels` `[n]` token is in its row of `kept` `[n, K]` (a `KEEP_ALL` row holds
+    every token, an unknown row none)."""
+    return (kept.long() == labels.long()[:, None]).any(dim=-1) | (kept[:, 0] == KEEP_ALL)

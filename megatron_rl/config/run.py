@@ -132,7 +132,20 @@ class RunConfig(Section):
             )
         if a.kl_in == "reward" and a.kl_coef == 0:
             raise ValueError("algorithm.kl_in=reward needs algorithm.kl_coef > 0 (the coefficient of the penalty)")
+        r = self.rollout
+        if a.sampling_mask and r.top_p < 1 and r.top_k < 1:
+            raise ValueError(
+                f"rollout.top_p={r.top_p:g} with algorithm.sampling_mask needs rollout.top_k (e.g. 64): the engines"
+                " return each token's kept set, which only top-k bounds (they ask vLLM for top_k + 1 logprobs);"
+                " or set algorithm.sampling_mask=false (the importance ratios are then biased)"
+            )
         return self
+
+    @property
+    def returns_kept_sets(self) -> bool:
+        """Whether the engines return each response token's kept set (`algorithm.sampling_mask` with top-k on):
+        the trainer then masks its logits to those sets."""
+        return self.algorithm.sampling_mask and self.rollout.top_k > 0
 
     @model_validator(mode="after")
     def _check_distillation(self) -> RunConfig:

@@ -1,22 +1,34 @@
-"""Routed experts as they travel: one response's `[positions, moe_layers, top_k]` expert ids (uint8 or int16) in a
-JSON-able form (base64 bytes, shape, dtype), so that samples carrying them stay plain data in the buffer and in
-its checkpoints. Shared by the engine actor (which encodes) and the trainer's batch (which decodes); numpy only."""
+"""What travels with a sample for MoE rollout-training consistency, in a JSON-able form (base64 bytes, shape,
+dtype), so that samples carrying it stay plain data in the buffer and in its checkpoints:
+
+- routed experts: one response's `[positions, moe_layers, top_k]` expert ids (uint8 or int16);
+- kept sets: the token ids the engine's top-k / top-p sampler kept at each response position, `[tokens, width]`
+  int32 padded with `KEPT_PAD`; a row of only `KEPT_PAD` is a position whose set the engine could not identify
+  (more tokens tied inside it than it was asked to report), which the trainer recomputes from its own logits.
+
+Shared by the engine actor (which encodes) and the trainer's batch (which decodes); numpy only.
+"""
 
 from __future__ import annotations
 
 import base64
+import math
+from collections.abc import Mapping
 
 import numpy as np
 
 ROUTE_DTYPES = ("uint8", "int16")
 """The compact dtypes routes travel in: uint8 up to 256 experts, int16 beyond."""
+KEPT_DTYPES = ("int32",)
+"""Kept sets travel as int32 token ids (vocabularies exceed int16)."""
+KEPT_PAD = -1
+"""Fills a kept-set row beyond its tokens; a row of only this is a set the engine did not identify."""
 
 
-def encode_routes(rows: np.ndarray) -> dict:
-    """`{"data", "shape", "dtype"}` of a `[positions, layers, top_k]` route array (JSON-able)."""
+def _encode(rows: np.ndarray, ndim: int, dtypes: tuple[str, ...], what: str) -> dict:
     rows = np.ascontiguousarray(rows)
-    if rows.ndim != 3 or rows.dtype.name not in ROUTE_DTYPES:
-        raise ValueError(f"routes must be [positions, layers, top_k] of {ROUTE_DTYPES}, got {rows.dtype} {rows.shape}")
+    if rows.ndim != ndim or rows.dtype.name not in dtypes:
+        raise ValueError(f"{what} must be of {dtypes}, got {rows.dtype} {rows.shape}")
     return {
         "data": base64.b64encode(rows.tobytes()).decode("ascii"),
         "shape": list(rows.shape),
@@ -24,13 +36,48 @@ def encode_routes(rows: np.ndarray) -> dict:
     }
 
 
-def decode_routes(entry: dict) -> np.ndarray:
-    """The `[positions, layers, top_k]` array of an `encode_routes` entry; ValueError naming what is wrong."""
+def _decode(entry: dict, ndim: int, dtypes: tuple[str, ...], what: str) -> np.ndarray:
     try:
         dtype, shape = np.dtype(entry["dtype"]), [int(n) for n in entry["shape"]]
         data = base64.b64decode(entry["data"], validate=True)
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"routes entry is not {{data, shape, dtype}}: {err}") from None
-    if dtype.name not in ROUTE_DTYPES or len(shape) != 3 or len(data) != dtype.itemsize * int(np.prod(shape)):
-        raise ValueError(f"routes entry of shape {shape} and dtype {dtype} holds {len(data)} bytes")
+        raise ValueError(f"{what} entry is not {{data, shape, dtype}}: {err}") from None
+    if dtype.name not in dtypes or len(shape) != ndim or len(data) != dtype.itemsize * int(np.prod(shape)):
+        raise ValueError(f"{what} entry of shape {shape} and dtype {dtype} holds {len(data)} bytes")
     return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def encode_routes(rows: np.ndarray) -> dict:
+    """`{"data", "shape", "dtype"}` of a `[positions, layers, top_k]` route array (JSON-able)."""
+    return _encode(rows, 3, ROUTE_DTYPES, "routes [positions, layers, top_k]")
+
+
+def decode_routes(entry: dict) -> np.ndarray:
+    """The `[positions, layers, top_k]` array of an `encode_routes` entry; ValueError naming what is wrong."""
+    return _decode(entry, 3, ROUTE_DTYPES, "routes")
+
+
+def encode_kept_sets(rows: np.ndarray) -> dict:
+    """`{"data", "shape", "dtype"}` of a `[tokens, width]` int32 kept-set array (JSON-able)."""
+    return _encode(rows, 2, KEPT_DTYPES, "kept sets [tokens, width]")
+
+
+def decode_kept_sets(entry: dict) -> np.ndarray:
+    """The `[tokens, width]` int32 array of an `encode_kept_sets` entry; ValueError naming what is wrong."""
+    return _decode(entry, 2, KEPT_DTYPES, "kept sets")
+
+
+def kept_set_row(logprobs: Mapping[int, float], asked: int) -> np.ndarray:
+    """One position's kept set `[asked - 1]` int32 from the engine's top-`asked` processed logprobs there
+    (token id -> logprob, -inf outside the kept set; the sampled token may be one more entry).
+
+    The set is the tokens with a finite logprob. When `asked` or more are finite, the set may hold more than
+    the engine reported (ties at the top-k threshold keep them all), so the row is all `KEPT_PAD`: unknown.
+    """
+    if asked < 2:
+        raise ValueError(f"a kept set needs at least 2 logprobs asked per position (top_k + 1), got {asked}")
+    kept = sorted(token for token, value in logprobs.items() if math.isfinite(value))
+    row = np.full(asked - 1, KEPT_PAD, dtype=np.int32)
+    if 0 < len(kept) < asked:
+        row[: len(kept)] = kept
+    return row

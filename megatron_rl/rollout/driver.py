@@ -246,6 +246,7 @@ class GenerationDriver:
                 temperature=rollout.temperature,
                 top_p=rollout.top_p,
                 top_k=rollout.top_k,
+                return_kept_sets=self.cfg.returns_kept_sets,
                 stop_token_ids=[eos] if eos is not None else [],
                 seed=request_seed(self.cfg.trainer.seed, index, sample),
             )

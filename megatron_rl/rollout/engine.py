@@ -17,8 +17,10 @@ import time
 import types
 import uuid
 
+import numpy as np
+
 from megatron_rl.errors import UserError
-from megatron_rl.models.routes import encode_routes
+from megatron_rl.models.routes import encode_kept_sets, encode_routes, kept_set_row
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -74,6 +76,9 @@ class EngineSpec:
     every MoE layer's top-k per request (`weights/engine/routes.py`)."""
     rpc_timeout_s: float = 60.0
     """Deadline of each route fetch from the workers."""
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per token (vLLM's `max_logprobs`, its default 20): at least top_k + 1
+    for requests that return their kept sets (`GenerationRequest.return_kept_sets`)."""
 
 
 @dataclasses.dataclass
@@ -92,6 +97,16 @@ class GenerationRequest:
     seed: int | None = None
     """Per-request sampling seed: the same seed and weights give the same response whatever else the engine is
     running (what makes a resumed run repeat the uninterrupted one); None samples from the engine's stream."""
+    return_kept_sets: bool = False
+    """Return the token set the top-k / top-p sampler kept at every response position (`GenerationResult.
+    kept_sets`), so the trainer masks its logits to that very set. Needs `top_k` (it bounds the set): the engine
+    asks vLLM for top_k + 1 processed logprobs, -inf outside the set."""
+
+    def __post_init__(self):
+        if self.return_kept_sets and self.top_k < 1:
+            raise ValueError(
+                f"request {self.request_id}: return_kept_sets needs top_k >= 1 (it bounds the kept set), got {self.top_k}"
+            )
 
 
 @dataclasses.dataclass
@@ -110,6 +125,9 @@ class GenerationResult:
     routes: dict | None = None
     """With `EngineSpec.capture_routes`: the experts every MoE layer chose for positions 0 .. P+T-2 of prompt +
     response (the last token was never fed back), stitched across continuations (`models/routes.encode_routes`)."""
+    kept_sets: dict | None = None
+    """With `GenerationRequest.return_kept_sets`: every response token's kept set `[tokens, top_k]` int32 across
+    continuations (`models/routes.encode_kept_sets`, `kept_set_row`)."""
 
 
 @functools.cache
@@ -197,6 +215,7 @@ class VLLMEngine:
             distributed_executor_backend="mp" if self.spec.tensor_parallel * self.spec.data_parallel > 1 else None,
             enable_prefix_caching=False,
             disable_log_stats=True,
+            max_logprobs=self.spec.max_logprobs,
             # The sampled tokens' logprobs under the distribution they were drawn from (after temperature, top-k
             # and top-p), which the trainer reproduces (BuildOptions.logit_temperature, LossSpec.sampling_mask);
             # vLLM's default gives the raw ones. It also keeps GPU engines off FlashInfer's sampler.
@@ -234,7 +253,8 @@ class VLLMEngine:
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k if req.top_k > 0 else 0,  # vLLM's own spelling of off
-            logprobs=0,
+            # The kept set is the finite processed logprobs; one more than top_k shows when ties made it larger.
+            logprobs=req.top_k + 1 if req.return_kept_sets else 0,
             stop_token_ids=req.stop_token_ids or None,
             ignore_eos=req.ignore_eos,
             output_kind=vllm.RequestOutputKind.DELTA,
@@ -283,6 +303,7 @@ class VLLMEngine:
         continuations = 0
         finish = "length"
         segments: list[str] = []
+        kept: list = []
         self._mark_busy(+1)
         try:
             while len(tokens) < req.max_tokens:
@@ -298,6 +319,8 @@ class VLLMEngine:
                         new = list(completion.token_ids)
                         tokens += new
                         logprobs += [_sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
+                        if req.return_kept_sets:
+                            kept += [_kept_row(lp, req.top_k + 1) for lp in completion.logprobs or []]
                         versions += [self.version] * len(new)
                         finish = completion.finish_reason
                 finally:
@@ -330,6 +353,7 @@ class VLLMEngine:
             engine=self.spec.name,
             continuations=continuations,
             routes=routes,
+            kept_sets=_encoded_kept(kept, req, len(tokens), self.spec.name) if req.return_kept_sets else None,
         )
 
     async def _fetch_routes(self, segments: list[str]) -> dict:
@@ -485,6 +509,19 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+
+def _kept_row(entry, asked: int):
+    """One position's kept set from its vLLM logprobs entry (dict token -> Logprob), `models/routes.kept_set_row`."""
+    values = {} if entry is None else {t: float(v.logprob if hasattr(v, "logprob") else v) for t, v in entry.items()}
+    return kept_set_row(values, asked)
+
+
+def _encoded_kept(rows: list, req: GenerationRequest, tokens: int, engine: str) -> dict:
+    """The response's kept sets, encoded; EngineError when vLLM returned a row count other than the tokens'."""
+    if len(rows) != tokens:
+        raise EngineError(f"engine {engine}: request {req.request_id} got {len(rows)} kept sets for {tokens} tokens")
+    return encode_kept_sets(np.stack(rows) if rows else np.zeros((0, req.top_k), dtype=np.int32))
 
 
 def _sampled_logprob(entry, token_id: int) -> float:

@@ -48,7 +48,7 @@ class Sample:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Free-form JSON-able extras: `rewards` ({component: value}: each reward function's value and each length
     penalty, for the `reward/<name>` metrics), `reward_error`, `reward_info` (a verl reward's extra entries),
-    routed experts, ..."""
+    `routes` (routed experts), `kept_sets` (the sampler's kept token sets), ..."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -100,7 +100,9 @@ class Sample:
             prompt_index=prompt_index,
             finish_reason=result.finish_reason,
             engine=result.engine,
-            metadata=dict(metadata) | ({"routes": result.routes} if getattr(result, "routes", None) else {}),
+            metadata=dict(metadata)
+            | ({"routes": result.routes} if getattr(result, "routes", None) else {})
+            | ({"kept_sets": result.kept_sets} if getattr(result, "kept_sets", None) else {}),
         )
 
 

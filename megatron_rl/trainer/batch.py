@@ -16,12 +16,13 @@ import torch
 from torch import Tensor
 
 from megatron_rl.algorithms.advantages import compute_advantages
-from megatron_rl.models.routes import decode_routes
+from megatron_rl.algorithms.sampling_mask import KEEP_ALL
+from megatron_rl.models.routes import KEPT_PAD, decode_kept_sets, decode_routes
 
 if TYPE_CHECKING:  # the rollout's sample contract; the trainer only reads its fields
     from megatron_rl.rollout.types import Group
 
-_PER_TOKEN = ("loss_mask", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "teacher_logprobs")
+_PER_TOKEN = ("loss_mask", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "teacher_logprobs", "versions")
 _PER_SEQUENCE = ("lengths", "rewards", "group_ids")
 
 
@@ -55,6 +56,13 @@ class TrainBatch:
     """`[B, S, moe_layers, top_k]` the experts the engine chose for each position (routing replay / agreement)."""
     route_free: Tensor | None = None
     """`[B, S]` bool, True where `routes` holds nothing (each sequence's last token and the padding)."""
+    versions: Tensor | None = None
+    """`[B, S-1]` int64 the weight version that sampled each response token (-1 elsewhere): which tokens are
+    fresh (sampled by the weights the step starts from) for `mismatch/fresh_*`."""
+    kept_tokens: Tensor | None = None
+    """`[B, S-1, K]` int32: at a response position, the token ids the engine's top-k / top-p sampler kept
+    there (padded with -1; only -1: the engine could not identify it, the trainer recomputes it); elsewhere a row
+    starting with `algorithms.sampling_mask.KEEP_ALL`. None: every kept set is recomputed from the trainer's logits."""
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +108,10 @@ class TrainBatch:
             or tuple(self.route_free.shape) != (b, s)
         ):  # fmt: skip
             raise ValueError(f"routes: expected [{b}, {s}, layers, top_k] with route_free [{b}, {s}]")
+        if self.kept_tokens is not None and (
+            self.kept_tokens.dim() != 3 or tuple(self.kept_tokens.shape[:2]) != (b, s - 1)
+        ):
+            raise ValueError(f"kept_tokens: expected [{b}, {s - 1}, K], got {tuple(self.kept_tokens.shape)}")
         if tuple(self.advantages.shape) not in ((b,), (b, s - 1)):
             raise ValueError(f"advantages: expected shape {(b,)} or {(b, s - 1)}, got {tuple(self.advantages.shape)}")
 
@@ -195,11 +207,13 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     tokens = torch.full((len(samples), seq), pad_id, dtype=torch.long)
     mask = torch.zeros(len(samples), seq - 1)
     behaviour = torch.zeros(len(samples), seq - 1)
+    versions = torch.full((len(samples), seq - 1), -1, dtype=torch.long)
     scored = [s.teacher_logprobs is not None for s in samples]
     if any(scored) and not all(scored):
         raise ValueError(f"{scored.count(False)} of {len(samples)} samples have no teacher logprobs (all or none must)")
     teacher = torch.zeros(len(samples), seq - 1) if all(scored) else None
     routes, route_free = batch_routes(samples, seq)
+    kept = batch_kept_sets(samples, seq)
     for row, sample in enumerate(samples):
         ids = list(sample.prompt_ids) + list(sample.response_ids)
         tokens[row, : len(ids)] = torch.tensor(ids)
@@ -207,6 +221,7 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
         end = start + len(sample.response_ids)
         mask[row, start:end] = 1.0
         behaviour[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        versions[row, start:end] = torch.tensor(sample.versions, dtype=torch.long)
         if teacher is not None:
             teacher[row, start:end] = torch.tensor(sample.teacher_logprobs, dtype=torch.float32)
     # float64: float32 would turn a reward of 1e39 into inf, and lose the spread of rewards near 1e20.
@@ -217,6 +232,7 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     return TrainBatch(
         tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths,
         rewards=rewards, group_ids=group_ids, teacher_logprobs=teacher, routes=routes, route_free=route_free,
+        kept_tokens=kept, versions=versions,
     )  # fmt: skip
 
 
@@ -241,3 +257,25 @@ def batch_routes(samples: Sequence, seq: int) -> tuple[Tensor | None, Tensor | N
         routes[row, :n] = torch.from_numpy(r.astype("int64"))
         free[row, :n] = False
     return routes, free
+
+
+def batch_kept_sets(samples: Sequence, seq: int) -> Tensor | None:
+    """`[B, S-1, K]` int32 kept sets (`TrainBatch.kept_tokens`) from the samples' `metadata["kept_sets"]`
+    (`[response tokens, K_i]`, K the widest); None when no sample carries them. A sample without them (a buffer
+    checkpoint from before they were sent) gets unknown rows: the trainer recomputes its sets."""
+    carried = [decode_kept_sets(s.metadata["kept_sets"]) if "kept_sets" in s.metadata else None for s in samples]
+    if all(rows is None for rows in carried):
+        return None
+    width = max(rows.shape[1] for rows in carried if rows is not None)
+    kept = torch.full((len(samples), seq - 1, width), KEPT_PAD, dtype=torch.int32)
+    kept[..., 0] = KEEP_ALL  # positions nothing is trained on
+    for row, (sample, rows) in enumerate(zip(samples, carried)):
+        start, n = len(sample.prompt_ids) - 1, len(sample.response_ids)  # position t predicts token t + 1
+        if rows is not None and rows.shape[0] != n:
+            raise ValueError(
+                f"sample of prompt {sample.prompt_index}: kept sets for {rows.shape[0]} tokens, expected {n}"
+            )
+        kept[row, start : start + n] = KEPT_PAD
+        if rows is not None:
+            kept[row, start : start + n, : rows.shape[1]] = torch.from_numpy(rows.copy())
+    return kept

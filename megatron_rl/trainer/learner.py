@@ -46,7 +46,7 @@ from megatron_rl.trainer.train_step import (
     with_proximal_logprobs,
 )
 
-SUMMED_STATS = ("batch/sequences", "batch/response_tokens")
+SUMMED_STATS = ("batch/sequences", "batch/response_tokens", "mismatch/fresh_tokens")
 """Stats of an update that add up over a batch's mini-batches (of one epoch); the rest are averaged."""
 
 
@@ -165,12 +165,14 @@ def train_batch(
     skips: SkipCounter | None = None,
     distill: Distillation | None = None,
     routing: BatchRouting | None = None,
+    version: int | None = None,
 ) -> dict:
     """Every update of one batch (this replica's share): proximal and reference logprobs when needed (under the
     spec's sampling mask, as the current ones), KL in the reward, the teacher's term in the advantages (with
     `distill`), then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`). With
     `routing`, every forward of the policy replays the engines' experts (or only measures agreement, in the first
-    forward of the batch)."""
+    forward of the batch). `version` (the weights' at the start) adds `mismatch/fresh_*` to the updates whose
+    proximal or current logprobs are the batch start's."""
     updates = updates_per_batch(algo)
     mask = spec.sampling_mask
     untempered = None
@@ -185,7 +187,7 @@ def train_batch(
             batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size, mask)
     extra = {}
     if reference is not None:
-        ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size, mask)  # last stage only, like the loss
+        ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size, mask, batch.kept_tokens)  # last stage
         if ref is not None:
             batch = batch.replace(ref_logprobs=ref.to(batch.behaviour_logprobs.dtype))
     if ctx.is_last_stage:  # only the last stage reads the advantages
@@ -206,7 +208,8 @@ def train_batch(
     for epoch in range(algo.ppo_epochs):
         for index, mb in enumerate(minibatches):
             with routed(mb, measure=not proximal and epoch == 0):
-                stats = train_step(state, ctx, mb, spec, micro_batch_size)
+                start = version if proximal or (epoch == 0 and index == 0) else None  # batch-start logprobs
+                stats = train_step(state, ctx, mb, spec, micro_batch_size, fresh_version=start)
             results.append(stats)
             if skips is not None:
                 where = f"epoch {epoch} mini-batch {index}: loss {stats.get('loss')}, grad norm {stats['grad_norm']}"
@@ -261,12 +264,13 @@ class Learner:
         model.requires_grad_(False)
         return model
 
-    def step(self, batch: TrainBatch) -> dict:
-        """Every update of one batch (`train_batch`); stats with the guard's counts and the time taken."""
+    def step(self, batch: TrainBatch, version: int | None = None) -> dict:
+        """Every update of one batch (`train_batch`) from the weights of `version` (for `mismatch/fresh_*`);
+        stats with the guard's counts and the time taken."""
         t0 = time.perf_counter()
         stats = train_batch(
             self.state, self.rank.ctx, batch, self.cfg.algorithm, self.spec, self.cfg.trainer.micro_batch_size,
-            self.reference, self.skips, self.distill, self.routing,
+            self.reference, self.skips, self.distill, self.routing, version,
         )  # fmt: skip
         stats["guard/skipped_updates_total"] = float(self.skips.total)
         stats["time/train_s"] = time.perf_counter() - t0

@@ -22,7 +22,8 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from torch import Tensor
 
 from megatron_rl.algorithms.entropy import entropy_from_logits
-from megatron_rl.algorithms.sampling_mask import SamplingMask, keep_mask
+from megatron_rl.algorithms.sampling_mask import KEEP_ALL, SamplingMask, engine_keep_mask, in_kept_set, keep_mask
+from megatron_rl.models.routes import KEPT_PAD
 from megatron_rl.parallel.groups import ParallelContext
 
 
@@ -109,45 +110,75 @@ def _gather_vocab(rows: Tensor, tp: int) -> Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def local_keep_mask(logits: Tensor, labels: Tensor, mask: SamplingMask) -> tuple[Tensor, Tensor]:
+def _aligned_kept(kept: Tensor, seq: int) -> Tensor:
+    """The batch's `[b, S-1, K]` kept sets as `[b, S, K]`: the last position (a dummy label) keeps every token."""
+    if kept.shape[1] == seq:
+        return kept
+    last = torch.full_like(kept[:, :1], KEPT_PAD)
+    last[..., 0] = KEEP_ALL
+    return torch.cat([kept, last], dim=1)
+
+
+def local_keep_mask(
+    logits: Tensor, labels: Tensor, mask: SamplingMask, kept: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(this rank's slice of the kept set `[b, s, V / tp]`, `outside` `[b, s]`) for vocab-parallel `logits`.
 
-    `outside` marks labels the engine's mask would not keep; they are added to the kept set all the same, so a
-    trained token's logprob stays finite when the trainer's numerics (or a policy that moved since sampling) put
-    it just outside the engine's set. Every TP rank computes the same full-row mask, chunk by chunk.
+    Where the engine's kept set of a position is given (`kept` `[b, s or s-1, K]`, `TrainBatch.kept_tokens`) it
+    is used as it is: the set the token was sampled from, whatever the trainer's weights are now. Elsewhere
+    (no `kept`, or a row the engine could not identify) the set is recomputed from these logits, on the full
+    rows: every TP rank gathers and computes the same mask, chunk by chunk.
+
+    `outside` marks labels the set does not keep; they are added to it all the same, so a trained token's
+    logprob stays finite (only a recomputed set can miss one: the trainer's numerics, or a policy that moved
+    since sampling, put it just outside).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     width = logits.shape[-1]
     flat = logits.detach().reshape(-1, width)
     flat_labels = labels.reshape(-1, 1)
-    keep = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
-    outside = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
+    if kept is None:
+        keep = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
+        known = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+        outside = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
+    else:
+        given = _aligned_kept(kept.to(flat.device), labels.shape[1])
+        given = given.reshape(-1, given.shape[-1])
+        keep, known = engine_keep_mask(given, tp_rank * width, width)
+        outside = ~in_kept_set(given, flat_labels[:, 0])
+    recompute = (~known).nonzero().squeeze(-1)
     step = max(1, MASK_CHUNK_ELEMENTS // (width * tp))
     with torch.no_grad():
-        for start in range(0, flat.shape[0], step):
-            rows = slice(start, start + step)
+        for start in range(0, recompute.numel(), step):
+            rows = recompute[start : start + step]
             full = keep_mask(_gather_vocab(flat[rows].float(), tp), mask.top_k, mask.top_p)
             outside[rows] = ~full.gather(-1, flat_labels[rows]).squeeze(-1)
-            full.scatter_(-1, flat_labels[rows], True)
             keep[rows] = full[:, tp_rank * width : (tp_rank + 1) * width]
+        local = flat_labels[:, 0] - tp_rank * width
+        mine = ((local >= 0) & (local < width)).nonzero().squeeze(-1)
+        keep[mine, local[mine]] = True  # the label stays in (its logprob finite) even where the set misses it
     return keep.reshape(logits.shape), outside.reshape(labels.shape)
 
 
-def masked_logprobs(logits: Tensor, labels: Tensor, mask: SamplingMask) -> tuple[Tensor, Tensor]:
+def masked_logprobs(
+    logits: Tensor, labels: Tensor, mask: SamplingMask, kept: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(log p(label) `[b, s]` under the engine's top-k / top-p distribution, with gradient; `outside` `[b, s]`)
     from vocab-parallel (already tempered) `logits` `[b, s, V / tp]`.
 
-    The kept set is found on the full rows (`local_keep_mask`); the logprob is Megatron's vocab-parallel cross
-    entropy on the logits with -inf outside it, so its gradient is that of the masked log-softmax.
+    The kept set is the engine's where `kept` gives it, else found on the full rows (`local_keep_mask`); the
+    logprob is Megatron's vocab-parallel cross entropy on the logits with -inf outside it, so its gradient is
+    that of the masked log-softmax.
     """
-    keep, outside = local_keep_mask(logits, labels, mask)
+    keep, outside = local_keep_mask(logits, labels, mask, kept)
     masked = logits.float().masked_fill(~keep, float("-inf"))
     return -tensor_parallel.vocab_parallel_cross_entropy(masked, labels), outside
 
 
 def _logprob_step(data_iterator, model):
     batch = next(data_iterator)
+    batch.pop("kept", None)  # no mask: nothing to keep
     output = model(**batch)
 
     def collect(output_tensor, non_loss_data=False):
@@ -159,11 +190,11 @@ def _logprob_step(data_iterator, model):
 
 def _masked_logprob_step(mask: SamplingMask, data_iterator, model):
     batch = next(data_iterator)
-    labels = batch.pop("labels")
+    labels, kept = batch.pop("labels"), batch.pop("kept", None)
     output = model(**batch)  # no labels: the vocab-parallel logits
 
     def collect(output_tensor, non_loss_data=False):
-        logprobs, _ = masked_logprobs(output_tensor, labels, mask)
+        logprobs, _ = masked_logprobs(output_tensor, labels, mask, kept)
         return logprobs[:, :-1].detach().float()
 
     return output, collect
@@ -171,14 +202,14 @@ def _masked_logprob_step(mask: SamplingMask, data_iterator, model):
 
 def _with_untempered_step(mask: SamplingMask | None, temperature: float, data_iterator, model):
     batch = next(data_iterator)
-    labels = batch.pop("labels")
+    labels, kept = batch.pop("labels"), batch.pop("kept", None)
     output = model(**batch)  # no labels: the vocab-parallel logits, already divided by the temperature
 
     def collect(output_tensor, non_loss_data=False):
         # A new tensor (the cross entropy overwrites its fp32 input): the logits before the temperature's division.
         untempered = -tensor_parallel.vocab_parallel_cross_entropy(output_tensor.float() * temperature, labels)
         if mask is not None and mask.active:
-            policy, _ = masked_logprobs(output_tensor, labels, mask)
+            policy, _ = masked_logprobs(output_tensor, labels, mask, kept)
         else:
             policy = -tensor_parallel.vocab_parallel_cross_entropy(output_tensor.float(), labels)
         return torch.stack([policy, untempered])[:, :, :-1].detach().float()
@@ -187,15 +218,21 @@ def _with_untempered_step(mask: SamplingMask | None, temperature: float, data_it
 
 
 def forward_logprobs(
-    model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int = 1, mask: SamplingMask | None = None
+    model,
+    ctx: ParallelContext,
+    tokens: torch.Tensor,
+    micro_batch_size: int = 1,
+    mask: SamplingMask | None = None,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Log-probs [batch, seq-1] of tokens[:, 1:] given their prefixes; the tensor on last-stage ranks, None elsewhere.
 
     Every rank must pass the same `tokens`. The sequence length must be divisible by TP (sequence parallel).
-    With an active `mask` they are the logprobs under the engines' top-k / top-p distribution (`masked_logprobs`).
+    With an active `mask` they are the logprobs under the engines' top-k / top-p distribution (`masked_logprobs`),
+    on the engine's kept sets `kept` `[batch, seq-1, K]` where given (`TrainBatch.kept_tokens`).
     """
     step = partial(_masked_logprob_step, mask) if mask and mask.active else _logprob_step
-    outputs = _forward_only(model, ctx, tokens, micro_batch_size, step)
+    outputs = _forward_only(model, ctx, tokens, micro_batch_size, step, kept)
     return None if outputs is None else torch.cat(outputs, dim=0)
 
 
@@ -206,6 +243,7 @@ def forward_logprobs_and_untempered(
     temperature: float,
     micro_batch_size: int = 1,
     mask: SamplingMask | None = None,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the policy's logprobs as `forward_logprobs` gives them, the untempered ones), each `[batch, seq-1]`, from
     one forward, on last-stage ranks; None elsewhere.
@@ -214,22 +252,29 @@ def forward_logprobs_and_untempered(
     top-p): what vLLM's prompt logprobs are, so what a teacher's score is compared with. `temperature` is the one
     the model divides its logits by (`BuildOptions.logit_temperature`).
     """
-    outputs = _forward_only(model, ctx, tokens, micro_batch_size, partial(_with_untempered_step, mask, temperature))
+    step = partial(_with_untempered_step, mask, temperature)
+    outputs = _forward_only(model, ctx, tokens, micro_batch_size, step, kept)
     if outputs is None:
         return None
     both = torch.cat(outputs, dim=1)
     return both[0], both[1]
 
 
-def _forward_only(model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int, step) -> list | None:
+def _forward_only(
+    model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int, step, kept: torch.Tensor | None = None
+) -> list | None:
     """Megatron's forward-only schedule over `tokens` in micro-batches with the forward step `step`, without
-    gradient; each micro-batch's collected output on last-stage ranks, None elsewhere."""
+    gradient; each micro-batch's collected output on last-stage ranks, None elsewhere. The engine's kept sets
+    `kept` (when given) travel with each micro-batch as its `kept` entry."""
     batch, seq = tokens.shape
     if seq % ctx.layout.tp:
         raise ValueError(f"sequence length {seq} is not divisible by tensor parallel size {ctx.layout.tp}")
     if batch % micro_batch_size:
         raise ValueError(f"batch {batch} is not divisible by micro_batch_size {micro_batch_size}")
     micro_batches = [model_inputs(mb, ctx.device) for mb in tokens.split(micro_batch_size)]
+    if kept is not None:
+        for inputs, part in zip(micro_batches, kept.split(micro_batch_size), strict=True):
+            inputs["kept"] = part.to(ctx.device)
     was_training = model.training
     model.eval()
     try:

@@ -57,7 +57,7 @@ def run_loop(cfg: RunConfig, spec: dict) -> None:
             loop.end_out_of_prompts()
             break
         t_data = time.perf_counter() - t0
-        stats = loop.learner.step(to_train_batch(groups, cfg, loop.learner))
+        stats = loop.learner.step(to_train_batch(groups, cfg, loop.learner), version=step - 1)  # weights of step - 1
         if cfg.checkpoint.save_dir and is_due(step, cfg.checkpoint.save_interval, cfg.steps):
             loop.save_checkpoint(step)  # before the engines see version `step`: see run_state.py
         sync_report = loop.push(step)

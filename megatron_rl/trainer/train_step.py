@@ -10,8 +10,9 @@ Who holds what:
   (Megatron's vocab-parallel cross entropy) and the policy's entropy from them (`logprobs.logprobs_and_entropy`),
   so no rank holds full-vocabulary logits under TP.
 - With the engines' top-k / top-p mask (`LossSpec.sampling_mask`) every logprob (training forward, proximal,
-  reference) is taken under the masked distribution (`logprobs.masked_logprobs`: the logits rows are gathered
-  over TP to find the kept set); the entropy stays that of the unmasked tempered distribution.
+  reference) is taken under the masked distribution (`logprobs.masked_logprobs`), on the kept sets the engines
+  returned (`TrainBatch.kept_tokens`; where a batch has none, the logits rows are gathered over TP to recompute
+  the set); the entropy stays that of the unmasked tempered distribution.
 - A batch without `proximal_logprobs` under a decoupled loss (one mini-batch: the proximal policy is the current
   one) takes them from this forward, detached: no second pass.
 
@@ -47,7 +48,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from megatron_rl.algorithms.masked import as_bool_mask, masked_count, masked_mean
-from megatron_rl.algorithms.metrics import mismatch_metrics
+from megatron_rl.algorithms.metrics import fresh_mismatch_metrics, mismatch_metrics
 from megatron_rl.algorithms.objective import LossSpec, denominators, policy_loss
 from megatron_rl.algorithms.sampling_mask import SamplingMask
 from megatron_rl.config import AlgorithmConfig
@@ -94,21 +95,26 @@ class Normalizers:
 
 
 def compute_logprobs(
-    model, ctx: ParallelContext, tokens: Tensor, micro_batch_size: int = 1, mask: SamplingMask | None = None
+    model,
+    ctx: ParallelContext,
+    tokens: Tensor,
+    micro_batch_size: int = 1,
+    mask: SamplingMask | None = None,
+    kept: Tensor | None = None,
 ) -> Tensor | None:
-    """Logprobs `[B, S-1]` of `tokens[:, 1:]` under the current weights (and the engines' `mask`, when given), on
-    last-stage ranks; None elsewhere.
+    """Logprobs `[B, S-1]` of `tokens[:, 1:]` under the current weights (and the engines' `mask`, when given, on
+    their kept sets `kept` where the batch has them), on last-stage ranks; None elsewhere.
 
     Only the last pipeline stage evaluates the loss, so only it needs these (as proximal logprobs of a batch).
     """
-    return forward_logprobs(model, ctx, tokens, micro_batch_size, mask)
+    return forward_logprobs(model, ctx, tokens, micro_batch_size, mask, kept)
 
 
 def with_proximal_logprobs(
     model, ctx: ParallelContext, batch: TrainBatch, micro_batch_size: int = 1, mask: SamplingMask | None = None
 ) -> TrainBatch:
     """The batch with `proximal_logprobs` recomputed under the current weights (last stage; others unchanged)."""
-    logprobs = compute_logprobs(model, ctx, batch.tokens, micro_batch_size, mask)
+    logprobs = compute_logprobs(model, ctx, batch.tokens, micro_batch_size, mask, batch.kept_tokens)
     if logprobs is None:
         return batch
     return batch.replace(proximal_logprobs=logprobs.to(batch.behaviour_logprobs.dtype))
@@ -125,7 +131,9 @@ def with_proximal_and_untempered(
     """(the batch with `proximal_logprobs` as `with_proximal_logprobs` sets them, the untempered logprobs
     `[B, S-1]` of the same forward) on last-stage ranks; (the batch unchanged, None) elsewhere. On-policy
     distillation compares the untempered ones with the teacher's (`forward_logprobs_and_untempered`)."""
-    both = forward_logprobs_and_untempered(model, ctx, batch.tokens, temperature, micro_batch_size, mask)
+    both = forward_logprobs_and_untempered(
+        model, ctx, batch.tokens, temperature, micro_batch_size, mask, batch.kept_tokens
+    )
     if both is None:
         return batch, None
     proximal, untempered = both
@@ -177,7 +185,7 @@ def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float,
         logprobs, entropy = logprobs_and_entropy(output_tensor, labels, entropy_grad=spec.entropy_coef > 0)
     else:
         entropy = vocab_parallel_entropy(output_tensor, with_grad=spec.entropy_coef > 0)
-        logprobs, outside = masked_logprobs(output_tensor, labels, spec.sampling_mask)
+        logprobs, outside = masked_logprobs(output_tensor, labels, spec.sampling_mask, mb.kept_tokens)
         outside = outside[:, :-1]
     logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
     loss, _ = micro_batch_loss(logprobs, mb, spec, norms, entropy)
@@ -267,7 +275,12 @@ def _guarded_optimizer_step(state: TrainingState, loss_finite: bool) -> tuple[bo
 
 
 def train_step(
-    state: TrainingState, ctx: ParallelContext, batch: TrainBatch, spec: LossSpec, micro_batch_size: int = 1
+    state: TrainingState,
+    ctx: ParallelContext,
+    batch: TrainBatch,
+    spec: LossSpec,
+    micro_batch_size: int = 1,
+    fresh_version: int | None = None,
 ) -> dict[str, float]:
     """One optimizer update on this replica's share `batch`; the update's stats on every rank.
 
@@ -275,7 +288,9 @@ def train_step(
     logprobs, detached. Stats: `loss` (the whole-batch loss that was differentiated), `grad_norm` (before
     clipping), `lr` (of this update), `update_successful`, `guard/skipped` (1 when the loss or the gradient norm
     was not finite and nothing was updated), the `ppo/*`, `is/*`, `kl/*`, `loss/*`, `policy/entropy` stats of
-    `policy_loss` and the `mismatch/*` metrics of current vs behaviour logprobs over the whole global batch.
+    `policy_loss` and the `mismatch/*` metrics of current vs behaviour logprobs over the whole global batch;
+    with `fresh_version` (the weights' version when the batch's first forward ran, given only when this update's
+    proximal or current logprobs are that forward's) also `mismatch/fresh_*` over the tokens it sampled.
     """
     batch.validate(ctx.layout.tp)
     if batch.batch_size % micro_batch_size:
@@ -286,7 +301,7 @@ def train_step(
     stepped, grad_norm, num_zeros = _guarded_optimizer_step(state, _everyone_finite(ctx, local_loss))
     stats = None
     if ctx.is_last_stage:
-        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside), local_loss, spec)
+        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside), local_loss, spec, fresh_version)
     stats = broadcast_from_owner(ctx, stats)
     stats.update(grad_norm=grad_norm, lr=lr, update_successful=float(stepped), **{"guard/skipped": float(not stepped)})
     if num_zeros is not None:
@@ -300,7 +315,12 @@ def _stats_owner(ctx: ParallelContext) -> int:
 
 
 def _global_batch_stats(
-    ctx: ParallelContext, batch: TrainBatch, outputs: tuple, local_loss: float, spec: LossSpec
+    ctx: ParallelContext,
+    batch: TrainBatch,
+    outputs: tuple,
+    local_loss: float,
+    spec: LossSpec,
+    fresh_version: int | None = None,
 ) -> dict[str, float] | None:
     """On the owner: stats of the whole global batch from every DP share (`outputs`: this share's logprobs,
     entropy and labels outside the sampling mask, or None); None on other last-stage ranks."""
@@ -315,7 +335,7 @@ def _global_batch_stats(
         return None
     full = concat_batches([g[0] for g in gathered])
     current, entropy = (torch.cat([g[i] for g in gathered], dim=0) for i in (1, 2))
-    stats = batch_stats(current, full, spec, entropy)
+    stats = batch_stats(current, full, spec, entropy, fresh_version)
     if spec.sampling_mask is not None:
         outside = torch.cat([g[3] for g in gathered], dim=0)
         stats["policy/outside_mask_frac"] = float(masked_mean(outside.double(), as_bool_mask(full.loss_mask)))
@@ -332,10 +352,18 @@ def concat_batches(batches: list[TrainBatch]) -> TrainBatch:
     return TrainBatch(**fields)
 
 
-def batch_stats(logprobs: Tensor, batch: TrainBatch, spec: LossSpec, entropy: Tensor | None = None) -> dict[str, float]:
+def batch_stats(
+    logprobs: Tensor,
+    batch: TrainBatch,
+    spec: LossSpec,
+    entropy: Tensor | None = None,
+    fresh_version: int | None = None,
+) -> dict[str, float]:
     """The update's stats over a whole batch: what `policy_loss` reports, mismatch metrics, batch shape.
 
-    Without `proximal_logprobs` (one mini-batch) the proximal policy is the current one, as in the update.
+    Without `proximal_logprobs` (one mini-batch) the proximal policy is the current one, as in the update. With
+    `fresh_version` and the batch's `versions`, the mismatch of the batch-start logprobs (proximal, else current)
+    on the tokens that version sampled (`fresh_mismatch_metrics`).
     """
     mask = as_bool_mask(batch.loss_mask)
     proximal = batch.proximal_logprobs
@@ -347,6 +375,9 @@ def batch_stats(logprobs: Tensor, batch: TrainBatch, spec: LossSpec, entropy: Te
             ref_logprobs=batch.ref_logprobs if spec.kl_coef > 0 else None, entropy=entropy,
         )  # fmt: skip
         stats.update(mismatch_metrics(logprobs, batch.behaviour_logprobs, mask))
+        if fresh_version is not None and batch.versions is not None:
+            start = batch.proximal_logprobs if batch.proximal_logprobs is not None else logprobs
+            stats.update(fresh_mismatch_metrics(start, batch.behaviour_logprobs, mask, batch.versions, fresh_version))
         stats["batch/sequences"] = torch.tensor(float(batch.batch_size))
         stats["batch/response_tokens"] = masked_count(mask).double()
         stats["batch/mean_logprob"] = masked_mean(logprobs.double(), mask)

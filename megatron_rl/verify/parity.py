@@ -52,21 +52,27 @@ def megatron_logprobs_many(
     timeout_s: float = 900.0,
     temperature: float = 1.0,
     mask: SamplingMask | list[SamplingMask] | None = None,
+    kept: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor], float]:
     """Megatron's logprobs for each (hf_dir, layout, mcore_dir) case (logits divided by `temperature`, for HF
-    cases, and under the engines' top-k / top-p `mask` when given: one for every case or one per case); one
-    torchrun launch per world size."""
+    cases, and under the engines' top-k / top-p `mask` when given: one for every case or one per case, on the
+    engine's kept sets `kept` of a case where given, `[B, S-1, K]` as `TrainBatch.kept_tokens`); one torchrun
+    launch per world size."""
     masks = mask if isinstance(mask, list) else [mask or SamplingMask()] * len(cases)
     results: list[torch.Tensor | None] = [None] * len(cases)
     seconds = 0.0
     with tempfile.TemporaryDirectory(prefix="mrl-parity-") as tmp:
         by_world: dict[int, list[dict]] = {}
+        kept = kept or [None] * len(cases)
         for i, ((hf_dir, layout, mcore_dir), toks, m) in enumerate(zip(cases, tokens, masks, strict=True)):
             torch.save(toks, Path(tmp) / f"tokens{i}.pt")
+            if kept[i] is not None:
+                torch.save(kept[i], Path(tmp) / f"kept{i}.pt")
             by_world.setdefault(layout.world_size, []).append(
                 {"hf": str(hf_dir), "mcore": mcore_dir and str(mcore_dir), "layout": layout.__dict__,
                  "temperature": temperature, "top_k": m.top_k, "top_p": m.top_p,
-                 "tokens": str(Path(tmp) / f"tokens{i}.pt"), "out": str(Path(tmp) / f"out{i}.pt"), "index": i}
+                 "tokens": str(Path(tmp) / f"tokens{i}.pt"),
+                 "kept": None if kept[i] is None else str(Path(tmp) / f"kept{i}.pt"), "out": str(Path(tmp) / f"out{i}.pt"), "index": i}
             )  # fmt: skip
         for world, world_cases in sorted(by_world.items()):
             spec_path = Path(tmp) / f"spec{world}.json"

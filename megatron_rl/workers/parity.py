@@ -24,7 +24,8 @@ def run_case(case: dict) -> None:
         temperature = float(case.get("temperature", 1.0))
         rank = bring_up_from_hf(case["hf"], layout, BuildOptions(logit_temperature=temperature, init_weights=False))
     mask = SamplingMask(int(case.get("top_k", -1)), float(case.get("top_p", 1.0)))
-    logprobs = forward_logprobs(rank.model, rank.ctx, torch.load(case["tokens"]), mask=mask)
+    kept = torch.load(case["kept"]) if case.get("kept") else None  # the engine's kept sets
+    logprobs = forward_logprobs(rank.model, rank.ctx, torch.load(case["tokens"]), mask=mask, kept=kept)
     if logprobs is not None and rank.ctx.tp_rank == 0 and rank.ctx.dp_rank == 0:
         torch.save(logprobs.cpu(), case["out"])
 

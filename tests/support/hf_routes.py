@@ -64,13 +64,19 @@ def hf_routes_and_logprobs(
 
 def perturbed_router_copy(hf_dir: str | Path, out: str | Path, scale: float, seed: int = 0) -> Path:
     """A copy of the checkpoint with every router weight plus Gaussian noise of `scale` times its own std."""
+    return perturbed_copy(hf_dir, out, scale, seed, suffix="mlp.gate.weight")
+
+
+def perturbed_copy(hf_dir: str | Path, out: str | Path, scale: float, seed: int = 0, suffix: str = "") -> Path:
+    """A copy of the checkpoint with every weight whose name ends with `suffix` (all: "") plus Gaussian noise of
+    `scale` times its own std (a policy that moved, or routers that choose differently)."""
     src, out = Path(hf_dir), Path(out)
     shutil.copytree(src, out, dirs_exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     for file in sorted(out.glob("*.safetensors")):
         tensors = load_file(str(file))
         for name, tensor in tensors.items():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(suffix) and tensor.is_floating_point() and tensor.numel() > 1:
                 noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
                 tensors[name] = (tensor.float() + scale * float(tensor.float().std()) * noise).to(tensor.dtype)
         save_file(tensors, str(file), metadata={"format": "pt"})

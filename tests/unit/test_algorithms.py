@@ -340,6 +340,28 @@ def test_mismatch_metrics():
     assert all(torch.isfinite(v) for v in wild.values())
 
 
+def test_fresh_mismatch_metrics_cover_only_the_tokens_of_the_trainers_version():
+    """Staleness apart: only the tokens the engine sampled with the trainer's own version (float32 inputs, as
+    the trainer's logprobs are) against a float64 reference over those tokens; the count and share they cover."""
+    data = make_batch(17, extreme=False)
+    g = torch.Generator().manual_seed(18)
+    versions = torch.randint(3, 6, data["mask"].shape, generator=g)
+    train, roll = data["prox"].float(), data["behav"].float()
+    got = alg.fresh_mismatch_metrics(train, roll, data["mask"].float(), versions, 5)
+    m, v = rows(data["mask"]), rows(versions)
+    cells = [(i, t) for i in range(len(m)) for t in range(len(m[0])) if m[i][t]]
+    fresh = [(i, t) for i, t in cells if v[i][t] == 5]
+    diffs = [float(train[i, t].double()) - float(roll[i, t].double()) for i, t in fresh]
+    assert 0 < len(fresh) < len(cells)
+    close(got["mismatch/fresh_k3_kl"], sum(math.exp(d) - 1 - d for d in diffs) / len(diffs), rtol=1e-5)
+    close(got["mismatch/fresh_abs_diff_mean"], sum(abs(d) for d in diffs) / len(diffs), rtol=1e-5)
+    close(got["mismatch/fresh_abs_diff_max"], max(abs(d) for d in diffs), rtol=1e-5)
+    assert got["mismatch/fresh_tokens"].item() == len(fresh)
+    close(got["mismatch/fresh_frac"], len(fresh) / len(cells))
+    none = alg.fresh_mismatch_metrics(train, roll, data["mask"], versions, 9)
+    assert all(value.item() == 0 for value in none.values())
+
+
 def test_effective_sample_size_and_is_stats():
     g = torch.Generator().manual_seed(16)
     w = torch.rand(4, 5, generator=g, dtype=torch.float64) * 3

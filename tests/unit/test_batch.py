@@ -129,3 +129,29 @@ def test_minibatches_are_equal_consecutive_slices():
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
     with pytest.raises(ValueError, match="cannot be split into algorithm.ppo_minibatches=3"):
         batch.minibatches(3)
+
+
+def test_kept_sets_line_up_with_the_response_positions():
+    """`TrainBatch.kept_tokens` [B, S-1, K]: the engine's sets at the positions that predict response tokens
+    (padded to the widest), KEEP_ALL elsewhere, unknown rows for a sample that carries none."""
+    import numpy as np
+
+    from megatron_rl.algorithms.sampling_mask import KEEP_ALL
+    from megatron_rl.models.routes import encode_kept_sets
+
+    groups = _groups()
+    groups[0].samples[0].metadata["kept_sets"] = encode_kept_sets(np.array([[8, 4], [9, -1]], dtype=np.int32))
+    groups[1].samples[0].metadata["kept_sets"] = encode_kept_sets(np.array([[13], [14], [15]], dtype=np.int32))
+    batch = groups_to_batch(groups, "grpo", tp=4)
+    kept = batch.kept_tokens
+    assert kept.shape == (4, 7, 2) and kept.dtype == torch.int32
+    assert kept[0, 2:4].tolist() == [[8, 4], [9, -1]]
+    assert kept[0, [0, 1, 4, 5, 6], 0].tolist() == [KEEP_ALL] * 5
+    assert kept[1, 2].tolist() == [-1, -1]  # sample without sets: unknown, recomputed by the trainer
+    assert kept[2, 1:4].tolist() == [[13, -1], [14, -1], [15, -1]]
+    batch.validate(tp=4)
+    assert batch.select(slice(0, 2)).kept_tokens.shape == (2, 7, 2)
+    assert groups_to_batch(_groups(), "grpo", tp=4).kept_tokens is None
+    groups[0].samples[0].metadata["kept_sets"] = encode_kept_sets(np.array([[8]], dtype=np.int32))
+    with pytest.raises(ValueError, match="kept sets for 1 tokens, expected 2"):
+        groups_to_batch(groups, "grpo", tp=4)

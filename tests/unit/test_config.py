@@ -47,6 +47,7 @@ def test_dotted_overrides_apply_with_yaml_types():
         ("model.make_tiny=true", "model.make_tiny=true needs model.family"),
         ("rollout.top_p=0", "rollout.top_p: Input should be greater than 0"),
         ("rollout.top_k=0", "rollout.top_k: must be -1 \\(off\\) or at least 1 \\(got 0\\)"),
+        ("rollout.top_p=0.9", "rollout.top_p=0.9 with algorithm.sampling_mask needs rollout.top_k"),
         ("rollout.temperature=0", "rollout.temperature: Input should be greater than 0"),
         ("checkpoint.load_dir=/ckpt", "checkpoint.load_dir: unknown field"),
         ("trainer.timeout_s=.inf", "trainer.timeout_s: Input should be a finite number \\(got inf\\)"),

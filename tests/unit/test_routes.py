@@ -101,3 +101,24 @@ def test_routes_travel_as_json_and_back_bit_for_bit():
     bad = encode_routes(np.zeros((2, 1, 2), dtype="uint8")) | {"shape": [3, 1, 2]}
     with pytest.raises(ValueError, match="holds 4 bytes"):
         decode_routes(bad)
+
+
+def test_kept_sets_round_trip_and_rows_from_processed_logprobs():
+    from megatron_rl.models.routes import KEPT_PAD, decode_kept_sets, encode_kept_sets, kept_set_row
+
+    # top_k 3 -> 4 asked: finite entries are the set; -inf ones (outside it) are dropped
+    row = kept_set_row({7: -0.1, 3: -2.0, 9: float("-inf"), 5: float("-inf")}, asked=4)
+    assert row.dtype == np.int32 and row.tolist() == [3, 7, KEPT_PAD]
+    # all asked finite: ties may have kept more than were reported -> unknown
+    assert kept_set_row({1: -1.0, 2: -1.0, 3: -1.0, 4: -1.0}, asked=4).tolist() == [KEPT_PAD] * 3
+    # the sampled token outside the top asked (one entry more) also means a larger set
+    assert kept_set_row({1: -1.0, 2: -1.0, 3: -1.0, 4: -1.0, 8: -3.0}, asked=4).tolist() == [KEPT_PAD] * 3
+    with pytest.raises(ValueError, match="at least 2 logprobs"):
+        kept_set_row({1: 0.0}, asked=1)
+    rows = np.stack([row, np.array([1, 2, 3], dtype=np.int32)])
+    entry = json.loads(json.dumps(encode_kept_sets(rows)))
+    assert np.array_equal(decode_kept_sets(entry), rows)
+    with pytest.raises(ValueError, match="kept sets \\[tokens, width\\] must be of"):
+        encode_kept_sets(rows.astype(np.int64))
+    with pytest.raises(ValueError, match="kept sets entry"):
+        decode_kept_sets({**entry, "shape": [3, 3]})

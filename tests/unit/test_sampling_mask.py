@@ -166,3 +166,49 @@ def test_local_keep_mask_adds_labels_outside_and_chunks(monkeypatch):
     added = expected.clone()
     added[0, 0, labels[0, 0]] = True
     assert torch.equal(keep, added)
+
+
+def test_engine_keep_mask_takes_each_ranks_slice_of_the_engines_sets():
+    """The engine's kept sets (global ids, -1 padding) on two vocabulary slices; an unknown row keeps nothing
+    and is flagged for recomputation; a KEEP_ALL row keeps everything."""
+    from megatron_rl.algorithms.sampling_mask import KEEP_ALL, engine_keep_mask, in_kept_set
+
+    kept = torch.tensor([[1, 6, 7, -1], [-1, -1, -1, -1], [KEEP_ALL, -1, -1, -1], [0, 3, 4, 5]])
+    low, known = engine_keep_mask(kept, 0, 5)
+    high, _ = engine_keep_mask(kept, 5, 5)
+    assert known.tolist() == [True, False, True, True]
+    full = torch.cat([low, high], dim=1)
+    assert full[0].nonzero().squeeze(-1).tolist() == [1, 6, 7]
+    assert not bool(full[1].any()) and bool(full[2].all())
+    assert full[3].nonzero().squeeze(-1).tolist() == [0, 3, 4, 5]
+    assert in_kept_set(kept, torch.tensor([6, 6, 9, 2])).tolist() == [True, False, True, False]
+
+
+def test_local_keep_mask_uses_the_engines_sets_and_recomputes_only_unknown_rows(monkeypatch):
+    """With the engine's sets a row's mask is that set (plus its label, flagged when outside), whatever the
+    trainer's logits say; an unknown row is recomputed from the logits as without sets; the batch's [b, s-1, K]
+    sets leave the last position (a dummy label) keeping everything."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.algorithms.sampling_mask import KEEP_ALL
+    from megatron_rl.trainer import logprobs as lp
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    logits = random_logits(4, shape=(1, 4, 257))
+    mask = SamplingMask(top_k=16, top_p=0.9)
+    labels = torch.tensor([[10, 20, 30, 0]])
+    kept = torch.full((1, 3, 16), -1, dtype=torch.int32)
+    kept[0, 0, :3] = torch.tensor([10, 11, 12])  # the engine's set (a policy that moved since)
+    kept[0, 1, :2] = torch.tensor([21, 22])  # its label outside: flagged
+    # position 2: unknown -> recomputed from the logits
+    keep, outside = lp.local_keep_mask(logits, labels, mask, kept)
+    assert keep[0, 0].nonzero().squeeze(-1).tolist() == [10, 11, 12]
+    assert keep[0, 1].nonzero().squeeze(-1).tolist() == [20, 21, 22]
+    recomputed = keep_mask(logits[0, 2], mask.top_k, mask.top_p)
+    recomputed[30] = True
+    assert torch.equal(keep[0, 2], recomputed)
+    assert bool(keep[0, 3].all())
+    assert outside[0].tolist() == [False, True, not bool(keep_mask(logits[0, 2], 16, 0.9)[30]), False]
+    kept[0, 0, 0] = KEEP_ALL
+    assert bool(lp.local_keep_mask(logits, labels, mask, kept)[0][0, 0].all())
