@@ -67,6 +67,7 @@ def add_parser(sub) -> None:
         help="engine router selection bias per expert, in units of each token's router-logit std",
     )  # fmt: skip
     q.add_argument("--seed", type=non_negative_int, default=0)
+    q.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="engine and trainer dtype")
     q.add_argument("--tolerance", type=positive_number, default=1e-5, help="max |logprob diff| with replay")
     q.add_argument("--timeout", type=positive_number, default=600.0)
     add_json_flag(q)
@@ -115,7 +116,7 @@ def run_routing(args: argparse.Namespace) -> dict:
     check = RoutingCheck(
         prompts=args.prompts, prompt_len=args.prompt_len, response_len=args.response_len,
         temperature=args.temperature, perturb=args.perturb, seed=args.seed, engine_tp=args.engine_tp,
-        tolerance=args.tolerance, timeout_s=args.timeout,
+        tolerance=args.tolerance, timeout_s=args.timeout, dtype=args.dtype,
     )  # fmt: skip
     return run_routing_check(args.hf, layout_from_config(args), check)
 

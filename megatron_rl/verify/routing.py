@@ -20,6 +20,7 @@ from pathlib import Path
 import ray
 import torch
 
+from megatron_rl.algorithms.metrics import mismatch_metrics
 from megatron_rl.models import family_for_hf_config, read_hf_config
 from megatron_rl.models.routes import decode_routes
 from megatron_rl.parallel.layout import ParallelLayout, check_layout_fits_model
@@ -43,7 +44,10 @@ class RoutingCheck:
     response_len: int = 24
     temperature: float = 1.0
     perturb: float = 0.5
-    """Selection bias per expert, in units of each token's router-logit standard deviation."""
+    """Selection bias per expert, in units of each token's router-logit standard deviation; 0: the engine's
+    routers are left alone (what separates the routes then is numerics alone, e.g. in bfloat16)."""
+    dtype: str = "float32"
+    """Engine and trainer dtype: float32, or bfloat16 (`bench/routing_mismatch.py`)."""
     seed: int = 0
     engine_tp: int = 1
     tolerance: float = 1e-5
@@ -55,7 +59,7 @@ def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
     """Generate on a perturbed engine that returns each response's routes (`EngineSpec.capture_routes`): results,
     their `[n, L, k]` routes and the engine's flip counts."""
     spec = EngineSpec(
-        "verify-routing", str(hf_dir), dtype="float32", tensor_parallel=check.engine_tp, seed=check.seed,
+        "verify-routing", str(hf_dir), dtype=check.dtype, tensor_parallel=check.engine_tp, seed=check.seed,
         max_model_len=max(256, check.prompt_len + check.response_len), capture_routes=True,
     )  # fmt: skip
     pool = EnginePool([spec], cpus_per_engine=0.5)
@@ -68,7 +72,7 @@ def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
             future = actor.collective_rpc.remote(method, args, check.timeout_s)
             return ray_get_named({spec.name: future}, check.timeout_s, method)[spec.name]
 
-        perturbed = rpc(PERTURB_ROUTING, check.perturb, check.seed)
+        perturbed = rpc(PERTURB_ROUTING, check.perturb, check.seed) if check.perturb > 0 else None
         requests = [
             GenerationRequest(p, max_tokens=check.response_len, temperature=check.temperature, ignore_eos=True,
                               seed=check.seed * 1000 + i, request_id=f"verify-routing-{i}")
@@ -76,7 +80,7 @@ def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
         ]  # fmt: skip
         futures = {r.request_id: pool.submit(r, spec.name) for r in requests}
         results = list(ray_get_named(futures, check.timeout_s, "generation").values())
-        flips = [w for w in rpc(ROUTING_FLIPS, False) if w["answers"]]
+        flips = [w for w in rpc(ROUTING_FLIPS, False) if w["answers"]] if perturbed else []
     finally:
         pool.shutdown()
     if any(r.continuations or len(r.token_ids) != check.response_len for r in results):
@@ -84,7 +88,7 @@ def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
     return {
         "results": results,
         "routes": [decode_routes(r.routes) for r in results],
-        "layers": perturbed[0]["layers"],
+        "layers": perturbed[0]["layers"] if perturbed else None,
         "tokens": sum(w["tokens"] for w in flips),
         "flipped": sum(w["flipped"] for w in flips),
     }
@@ -112,7 +116,7 @@ def sequences(rollouts: dict, tp: int) -> tuple[torch.Tensor, torch.Tensor, torc
 def trainer_logprobs(hf_dir: str, layout: ParallelLayout, tensors: tuple, check: RoutingCheck) -> dict:
     """The trainer's logprobs and agreements, free and replaying (`workers/routing.py`)."""
     with tempfile.TemporaryDirectory(prefix="mrl-routing-") as tmp:
-        spec = {"hf": str(hf_dir), "layout": layout.__dict__, "temperature": check.temperature,
+        spec = {"hf": str(hf_dir), "layout": layout.__dict__, "temperature": check.temperature, "dtype": check.dtype,
                 "micro_batch_size": 2 if check.prompts % 2 == 0 else 1, "out": str(Path(tmp) / "out.pt")}  # fmt: skip
         for name, value in zip(("tokens", "free", "routes"), tensors):
             spec[name] = str(Path(tmp) / f"{name}.pt")
@@ -149,9 +153,10 @@ def run_routing_check(hf_dir: str, layout: ParallelLayout, check: RoutingCheck |
     trainer_s = time.perf_counter() - start
     p, r = check.prompt_len, check.response_len
     engine = torch.tensor([res.logprobs for res in rollouts["results"]], dtype=torch.float64)
-    diffs = {
-        name: (out[f"logprobs_{name}"][:, p - 1 : p - 1 + r].double() - engine).abs() for name in ("free", "replay")
-    }
+    trainer = {name: out[f"logprobs_{name}"][:, p - 1 : p - 1 + r].double() for name in ("free", "replay")}
+    diffs = {name: (value - engine).abs() for name, value in trainer.items()}
+    k3 = {name: float(mismatch_metrics(value, engine, torch.ones_like(engine, dtype=torch.bool))["mismatch/k3_kl"])
+          for name, value in trainer.items()}  # fmt: skip
     report = {
         "family": family.name,
         "layout": layout.describe(),
@@ -161,6 +166,7 @@ def run_routing_check(hf_dir: str, layout: ParallelLayout, check: RoutingCheck |
         "num_response_tokens": int(engine.numel()),
         "temperature": check.temperature,
         "perturb_scale": check.perturb,
+        "dtype": check.dtype,
         "flip_fraction": rollouts["flipped"] / rollouts["tokens"] if rollouts["tokens"] else 0.0,
         "engine_routed_choices": rollouts["tokens"],
         "agreement_without_replay": _fraction(out["agree_free"]),
@@ -171,6 +177,8 @@ def run_routing_check(hf_dir: str, layout: ParallelLayout, check: RoutingCheck |
         "mean_abs_logprob_diff_without_replay": float(diffs["free"].mean()),
         "max_abs_logprob_diff_with_replay": float(diffs["replay"].max()),
         "mean_abs_logprob_diff_with_replay": float(diffs["replay"].mean()),
+        "k3_kl_without_replay": k3["free"],
+        "k3_kl_with_replay": k3["replay"],
         "tolerance": check.tolerance,
         "engine_seconds": round(engine_s, 1),
         "trainer_seconds": round(trainer_s, 1),

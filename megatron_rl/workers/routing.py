@@ -4,6 +4,7 @@ of an engine's sequences routing freely and replaying the engine's routes, with 
 Spec file (JSON):
     hf, layout        the checkpoint and the ParallelLayout fields
     temperature       the engine's sampling temperature (the trainer divides its logits by it)
+    dtype             (optional) the trainer's parameter dtype, float32 unless given (the engine's)
     tokens, free      paths of the [B, S] token tensor and its [B, S] bool free-routing mask (the last position of
                       each sequence, which the engine never computed, and padding)
     routes            path of the engine's [B, S, L, k] routes of the tokens
@@ -28,7 +29,9 @@ def check(spec: dict, _startup_s: float) -> None:
     routes: free routing, the experts dispatched under replay, and the routers' own choices under replay."""
     layout = ParallelLayout(**spec["layout"])
     mbs = int(spec["micro_batch_size"])
-    opts = BuildOptions(logit_temperature=float(spec["temperature"]), init_weights=False)
+    opts = BuildOptions(
+        logit_temperature=float(spec["temperature"]), init_weights=False, dtype=spec.get("dtype", "float32")
+    )
     rank = bring_up_from_hf(spec["hf"], layout, opts)
     model, ctx = rank.model, rank.ctx
     tokens, free, routes = (torch.load(spec[name]) for name in ("tokens", "free", "routes"))

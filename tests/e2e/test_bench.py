@@ -70,3 +70,17 @@ def test_convert_bench_reports_conversion_and_plain_read_write():
     assert result["ratio"] == pytest.approx(result["gb_per_s"] / result["plain_gb_per_s"], rel=0.05)
     assert result["wall_seconds"] >= result["seconds"]
     assert {"load_seconds", "save_seconds"} <= set(result["phases_rank0"])
+
+
+@pytest.mark.slow
+def test_routing_mismatch_bench_reports_bf16_mismatch_with_and_without_replay():
+    """Issue 18's must-show 4 at its smallest (about 60 s): bf16 numerics alone move some routes, replay makes
+    the trainer dispatch to the engine's experts and lowers the k3 mismatch."""
+    result = run_bench("routing_mismatch.py", "--dtypes", "bfloat16", "--prompts", "2", "--response-len", "24")
+    bf16 = result["results"]["bfloat16"]
+    assert result["router_perturbation"] == 0.0 and bf16["num_response_tokens"] == 48
+    assert bf16["agreement_with_replay"] == 1.0
+    assert bf16["k3_kl_without_replay"] > bf16["k3_kl_with_replay"] > 0
+    assert bf16["k3_ratio_without_over_with"] == pytest.approx(
+        bf16["k3_kl_without_replay"] / bf16["k3_kl_with_replay"], rel=1e-6
+    )
