@@ -52,6 +52,21 @@ def encode_routes(rows: np.ndarray) -> dict:
     return _encode(rows, 3, ROUTE_DTYPES, "routes [positions, layers, top_k]")
 
 
+def compact_routes(rows: np.ndarray) -> np.ndarray:
+    """Expert ids `[positions, layers, top_k]` of any integer dtype (vLLM's own routed-experts output) in the
+    compact dtype they travel in: uint8 below 256 experts' ids, else int16; ValueError for ids beyond int16."""
+    rows = np.asarray(rows)
+    if rows.ndim != 3 or rows.dtype.kind not in "iu":
+        raise ValueError(f"routes must be [positions, layers, top_k] integers, got {rows.dtype} {rows.shape}")
+    top = int(rows.max()) if rows.size else 0
+    if rows.size and int(rows.min()) < 0:
+        raise ValueError(f"routes hold a negative expert id ({int(rows.min())})")
+    for dtype in ROUTE_DTYPES:
+        if top <= np.iinfo(dtype).max:
+            return rows.astype(dtype)
+    raise ValueError(f"expert id {top} does not fit {ROUTE_DTYPES[-1]}")
+
+
 def decode_routes(entry: dict) -> np.ndarray:
     """The `[positions, layers, top_k]` array of an `encode_routes` entry; ValueError naming what is wrong."""
     return _decode(entry, 3, ROUTE_DTYPES, "routes")

