@@ -5,9 +5,10 @@ per position. The training forward instead takes each TP rank's slice of the log
 the same cross entropy plus the entropy with all-reduces of the max, `sum exp` and `sum p z` over the TP group
 (`logprobs_and_entropy`): no rank ever materialises the full [tokens x vocab] logits when TP > 1.
 
-With the engines' top-k / top-p mask on (`masked_logprobs`), the mask needs each row's global ranking, so the
-logits rows are all-gathered over the TP group (in chunks of rows, without gradient) to find the kept set; each
-rank then masks its own slice and the vocab-parallel cross entropy runs on the masked logits as before.
+With the engines' top-k / top-p mask on (`masked_logprobs`), each rank masks its own slice of the logits to the
+kept set and the vocab-parallel cross entropy runs on the masked logits as before. The kept set is the engine's
+where the batch carries it (`TrainBatch.kept_tokens`: no communication); elsewhere it needs each row's global
+ranking, so those logits rows are all-gathered over the TP group (in chunks of rows, without gradient).
 """
 
 from __future__ import annotations
