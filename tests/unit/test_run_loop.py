@@ -182,7 +182,7 @@ def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
     class FakeRun:
         def __init__(self, cfg, spec):
             self.step, self.batches, self.calls = 0, 2, []
-            self.learner = types.SimpleNamespace(step=lambda batch: {"loss": 0.0})
+            self.learner = types.SimpleNamespace(step=lambda batch, version=None: {"loss": 0.0})
 
         def push(self, step):
             return {"seconds": 0.0}
