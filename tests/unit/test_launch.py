@@ -155,7 +155,8 @@ def check_job(cmds, trainer_hosts: list[str], inference_hosts: list[str], gpus: 
     # The trainer: one torchrun agent on each trainer node, exactly those, rendezvous on the first.
     opts, cmd = split_srun(one(cmds, "trainer"))
     assert option(opts, "-w").split(",") == trainer_hosts
-    assert option(opts, "--nodes") == str(len(trainer_hosts)) and option(opts, "--ntasks-per-node") == "1"
+    assert option(opts, "--nodes") == option(opts, "--ntasks") == str(len(trainer_hosts))
+    assert option(opts, "--ntasks-per-node") == "1"
     assert "--kill-on-bad-exit=1" in opts
     targs = torchrun_args(cmd)
     assert option(targs, "--nnodes") == str(len(trainer_hosts))

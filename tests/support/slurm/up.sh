@@ -54,7 +54,10 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscr
 CONF
 export SLURM_CONF=$D/slurm.conf
 { cat /etc/hosts; echo "127.0.0.1 n1 n2"; } >"$D/hosts"
-setsid unshare -m --propagation private bash -c "mount --bind '$D/hosts' /etc/hosts && exec sleep infinity" </dev/null &
+# Every daemon's output goes to a file: one left holding this script's stdout would keep its caller (a test reading
+# the output to the end) waiting long after the script exits.
+setsid unshare -m --propagation private bash -c "mount --bind '$D/hosts' /etc/hosts && exec sleep infinity" \
+    </dev/null >>"$D/log/nsholder.out" 2>&1 &
 echo $! >"$D/nsholder.pid"
 for _ in $(seq 50); do
     nsenter -t "$(<"$D/nsholder.pid")" -m getent hosts n1 >/dev/null 2>&1 && break
