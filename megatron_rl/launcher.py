@@ -328,6 +328,9 @@ def start_buffer(cfg: RunConfig, task, run_state: dict | None):
     )  # fmt: skip
     if run_state is not None:
         ray.get(buffer.load_state_dict.remote(run_state["buffer"]), timeout=120)
+    if cfg.mode == "async" and cfg.buffer.lookahead == "adaptive":
+        lag, target = mode_lag(cfg.mode, cfg.buffer.max_staleness), cfg.buffer.target_trainer_idle
+        ray.get(buffer.configure_lookahead.remote(cfg.prompts_per_step, lag, target), timeout=60)
     return buffer
 
 

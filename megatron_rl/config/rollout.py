@@ -77,6 +77,13 @@ class BufferConfig(Section):
     max_staleness: int = Field(4, ge=0)
     """Groups whose oldest token is more than this many versions behind the trainer are dropped (or kept, per
     `stale_policy`)."""
+    lookahead: Literal["adaptive", "max"] = "adaptive"
+    """`mode: async` only: how far generation runs ahead of the trainer. `adaptive`: just far enough that the
+    trainer waits for batches at most `target_trainer_idle` of its time (sized from its waits, one step to start
+    with), so batches are as fresh as that allows; `max`: always `max_staleness` steps ahead. `max_staleness`
+    stays the hard bound either way."""
+    target_trainer_idle: float = Field(0.05, gt=0, lt=1)
+    """With `lookahead: adaptive`: the largest share of its time the trainer should spend waiting for data."""
     max_requeues: int = Field(3, ge=0)
     """How often a prompt whose engine died is generated again before it is dropped."""
     stale_policy: Literal["drop", "correct"] = "drop"

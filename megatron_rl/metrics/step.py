@@ -109,8 +109,15 @@ def collect_metrics(
         "buffer/in_flight": buffer_stats.get("in_flight"),
         "buffer/dropped": buffer_stats.get("dropped"),
         "buffer/dropped_by_reason": buffer_stats.get("dropped_by_reason"),
+        **_lookahead(buffer_stats),
         **dynamic,
     }
+
+
+def _lookahead(buffer_stats: dict) -> dict:
+    """`buffer/lookahead` when the buffer sizes it (async mode, `buffer.lookahead: adaptive`), else nothing."""
+    prompts = buffer_stats.get("lookahead_prompts")
+    return {} if prompts is None else {"buffer/lookahead": prompts}
 
 
 class EngineMeter:

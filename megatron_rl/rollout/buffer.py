@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import ray
 
+from megatron_rl.rollout.lookahead import Lookahead
 from megatron_rl.rollout.ray_utils import on_this_node
 from megatron_rl.rollout.tasks import PromptStream
 from megatron_rl.rollout.types import Group
@@ -96,6 +97,9 @@ class RolloutBuffer:
         self.drop_zero_variance, self.max_zero_variance_drops, self.max_abs_reward = False, 0, math.inf
         self._zero_variance_drops = 0  # since the last batch handed out (the bound is per batch)
         self._set_admission(drop_zero_variance, max_zero_variance_drops, max_abs_reward)
+        self.lookahead: Lookahead | None = None  # `configure_lookahead`: how far generation may run ahead
+        self._asked: tuple[int, float] | None = None  # (version, when the trainer first asked for its batch)
+        self._last_hand_out: float | None = None
 
     @classmethod
     def from_config(cls, buffer_cfg, prompts: PromptStream | None = None, max_requeues: int = 3) -> RolloutBuffer:
@@ -263,6 +267,14 @@ class RolloutBuffer:
             return "it was never handed out"
         return "its group was already consumed or dropped"
 
+    def configure_lookahead(self, prompts_per_step: int, max_steps: int, target_idle: float = 0.05) -> int:
+        """Size the driver's lookahead from the trainer's waits (`rollout/lookahead.py`), at most `max_steps`
+        steps of `prompts_per_step` prompts; returns the starting lookahead in prompts. Without this call the
+        driver runs its fixed lag ahead."""
+        with self._cond:
+            self.lookahead = Lookahead(prompts_per_step, max_steps * prompts_per_step, target_idle)
+            return self.lookahead.prompts
+
     # ------------------------------------------------------------------------------------------------------------
     # Trainer side.
 
@@ -280,6 +292,8 @@ class RolloutBuffer:
             raise RolloutBufferError(f"get_batch: num_groups={num_groups} must be in [1, capacity={self.capacity}]")
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if self._asked is None or self._asked[0] != current_version:  # the trainer retries with short timeouts
+                self._asked = (current_version, time.monotonic())
             self._advance_version(current_version)
             while len(self._heap) < num_groups and not self._finished():
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
@@ -290,9 +304,19 @@ class RolloutBuffer:
             batch = [heapq.heappop(self._heap)[2] for _ in range(min(num_groups, len(self._heap)))]
             for group in batch:
                 self._hand_out(group, current_version)
+            self._observe_demand()
             self._zero_variance_drops = 0
             self._cond.notify_all()
             return batch
+
+    def _observe_demand(self) -> None:
+        """A batch was handed out: tell the lookahead how long the trainer waited for it, and in what cycle."""
+        now = time.monotonic()
+        wait = now - self._asked[1] if self._asked is not None else 0.0
+        cycle = now - self._last_hand_out if self._last_hand_out is not None else None
+        self._last_hand_out = now
+        if self.lookahead is not None:
+            self.lookahead.observe(wait, cycle)
 
     def set_trainer_version(self, version: int) -> None:
         """Tell the buffer the trainer's version: stale groups are dropped now (freeing slots for generation)."""
@@ -392,6 +416,7 @@ class RolloutBuffer:
                 "newest_version": max(versions) if versions else None,
                 "mean_staleness": self._counters["staleness_sum"] / consumed if consumed else 0.0,
                 "max_staleness_seen": self._counters["staleness_max"],
+                "lookahead_prompts": self.lookahead.prompts if self.lookahead is not None else None,
                 "data_position": self.prompts.position if self.prompts is not None else None,
                 "finished": self._finished(),
             }

@@ -5,8 +5,10 @@ claims a prompt, generates `samples_per_prompt` responses on its engine, scores 
 a thread pool, `async` ones on the loop, each call within `task.reward_timeout_s`) and puts the group into the
 buffer. A gate bounds how far generation runs ahead of the trainer: the groups for step s
 are only claimed once the trainer's weights are at version >= s - lag (lag 0: sync, 1: one step off, async:
-max_staleness). It counts the prompts the buffer still accounts for (consumed, buffered, in flight), so a dropped
-or requeued prompt frees its place for another and the trainer's batch still fills.
+max_staleness). In async mode with `buffer.lookahead: adaptive` the buffer lowers that bound, in prompts, to what
+keeps the trainer fed (`rollout/lookahead.py`). The gate counts the prompts the buffer still accounts for
+(consumed, buffered, in flight), so a dropped or requeued prompt frees its place for another and the trainer's
+batch still fills.
 """
 
 from __future__ import annotations
@@ -145,7 +147,10 @@ class GenerationDriver:
         stats = await self._call_buffer("stats")
         self.trainer_version = stats["trainer_version"]
         live = stats["consumed"] + stats["buffered"] + stats["in_flight"]
-        return live < (self.trainer_version + self.lag + 1) * self.cfg.prompts_per_step
+        per_step = self.cfg.prompts_per_step
+        ahead = stats.get("lookahead_prompts")  # sized by the buffer from the trainer's waits, if it was asked to
+        ahead = self.lag * per_step if ahead is None else min(ahead, self.lag * per_step)
+        return live < (self.trainer_version + 1) * per_step + ahead
 
     async def _claim(self, engine: str) -> tuple[int, dict] | None:
         """Claim one prompt when the gate allows it (the step it serves is close enough to the trainer).

@@ -578,3 +578,25 @@ def test_half_zero_variance_groups_still_give_full_batches_of_informative_groups
     assert counts["produced"] == counts["consumed"] + counts["dropped"] + counts["buffered"] + counts["in_flight"]
     assert stats["groups_screened"] == stats["zero_variance_groups"] + counts["consumed"] + counts["buffered"]
     assert driver.stats.dropped_by_buffer == dropped
+
+
+def test_the_buffer_measures_the_trainers_wait_from_its_first_ask_and_reports_the_lookahead():
+    buffer = make_buffer(40, capacity=16, max_staleness=4)
+    assert buffer.stats()["lookahead_prompts"] is None  # not configured: the driver keeps its fixed lag
+    assert buffer.configure_lookahead(prompts_per_step=2, max_steps=4) == 2
+    for step in range(buffer.lookahead.patience + 1):  # batches ready before the trainer asks: no waits
+        for index, _record in buffer.claim_prompts(2):
+            buffer.put_group(make_group(index, step))
+        time.sleep(0.05)  # the trainer's step, during which the next batch was generated
+        assert len(buffer.get_batch(2, step)) == 2
+    assert buffer.stats()["lookahead_prompts"] == 1  # one prompt lower after `patience` cycles without a wait
+    step += 1
+    # Now the trainer asks first (short timeouts, retried) and waits: the wait counts from its first ask.
+    before = buffer.lookahead.prompts
+    assert buffer.get_batch(2, step, timeout_s=0.05) == []
+    assert buffer.get_batch(2, step, timeout_s=0.05) == []
+    for index, _record in buffer.claim_prompts(2):
+        buffer.put_group(make_group(index, step))
+    assert len(buffer.get_batch(2, step)) == 2
+    assert buffer.stats()["lookahead_prompts"] == min(8, before + 1)
+    buffer.check_accounting()

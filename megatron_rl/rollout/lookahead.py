@@ -1,0 +1,72 @@
+"""How far generation runs ahead of the trainer in `mode: async`: just in time, not as far as allowed.
+
+The driver's gate lets the buffer account for the prompts of every step up to the trainer's, plus `prompts`
+more (the lookahead). With the lookahead at its bound (`max_staleness` steps) an engine faster than the trainer
+fills the buffer that far ahead and every batch trains at the largest staleness the config allows; one step
+ahead is already enough to hide generation behind training when the engines keep up.
+
+`Lookahead` sizes it from what the buffer sees of the trainer: for each batch handed out, how long the trainer
+waited for it against the time since the previous one (its idle fraction). A wait above `target_idle` raises the
+lookahead by a quarter of a step (the trainer is starved: generation must start earlier); `patience` cycles in a
+row without a wait worth counting (under half the target) lower it by one prompt (the groups were ready early:
+they could have been generated later, on newer weights). Lowering slowly and raising fast keeps the waits rare
+once the lookahead has found the edge: each probe below it costs one short wait. The bound stays `max_prompts` (= `max_staleness` steps), the floor 0
+(synchronous). Pure logic: no Ray, no clocks of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass
+class Lookahead:
+    """The lookahead in prompts, adjusted once per batch the trainer takes (module docstring)."""
+
+    prompts_per_step: int
+    """Prompts (groups) per trainer batch."""
+    max_prompts: int
+    """The hard bound: `max_staleness` steps' worth of prompts."""
+    target_idle: float = 0.05
+    """Largest share of its time the trainer may spend waiting for a batch."""
+    prompts: int = -1
+    """The current lookahead; -1 at construction means one step (or `max_prompts` if smaller)."""
+    patience: int = 4
+    """Cycles in a row without a wait before the lookahead is lowered by one prompt."""
+    batches_seen: int = 0
+    """Batches observed so far (the first one's wait is start-up, not generation falling behind)."""
+    calm: int = 0
+    """Cycles in a row without a wait so far."""
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1 or self.max_prompts < 0 or not 0 < self.target_idle < 1 or self.patience < 1:
+            raise ValueError(
+                f"Lookahead: prompts_per_step={self.prompts_per_step} must be >= 1, max_prompts={self.max_prompts}"
+                f" >= 0, target_idle={self.target_idle} in (0, 1) and patience={self.patience} >= 1"
+            )
+        if self.prompts < 0:
+            self.prompts = min(self.prompts_per_step, self.max_prompts)
+
+    @property
+    def steps(self) -> float:
+        """The lookahead in trainer steps."""
+        return self.prompts / self.prompts_per_step
+
+    def observe(self, wait_s: float, cycle_s: float | None) -> int:
+        """One batch was handed out after the trainer waited `wait_s` in a cycle of `cycle_s` seconds since the
+        previous batch (None for the first); returns the new lookahead."""
+        self.batches_seen += 1
+        if cycle_s is None or cycle_s <= 0 or self.batches_seen == 1:
+            return self.prompts
+        idle = min(1.0, max(0.0, wait_s) / cycle_s)
+        if idle > self.target_idle:
+            self.prompts = min(self.max_prompts, self.prompts + math.ceil(self.prompts_per_step / 4))
+            self.calm = 0
+        elif idle < self.target_idle / 2:
+            self.calm += 1
+            if self.calm >= self.patience:
+                self.prompts, self.calm = max(0, self.prompts - 1), 0
+        else:
+            self.calm = 0
+        return self.prompts

@@ -1,0 +1,65 @@
+"""The async lookahead: sized from the trainer's waits, within [0, max_staleness steps] (the buffer's side:
+test_buffer.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.rollout.lookahead import Lookahead
+
+
+def test_starts_one_step_ahead_and_ignores_the_start_up_wait():
+    la = Lookahead(prompts_per_step=8, max_prompts=32)
+    assert la.prompts == 8 and la.steps == 1.0
+    assert la.observe(wait_s=30.0, cycle_s=None) == 8  # the first batch waits for vLLM's start: not a signal
+    assert Lookahead(prompts_per_step=8, max_prompts=4).prompts == 4  # max_staleness below one step's prompts
+
+
+def test_a_starved_trainer_raises_it_fast_up_to_the_bound():
+    la = Lookahead(prompts_per_step=8, max_prompts=20)
+    la.observe(0.0, None)
+    seen = [la.observe(wait_s=0.5, cycle_s=1.0) for _ in range(5)]
+    assert seen == [10, 12, 14, 16, 18]
+    for _ in range(10):
+        la.observe(0.5, 1.0)
+    assert la.prompts == 20  # never past max_staleness steps
+
+
+def test_a_fed_trainer_lowers_it_one_prompt_per_patience_cycles_down_to_zero():
+    la = Lookahead(prompts_per_step=4, max_prompts=16, patience=3)
+    la.observe(0.0, None)
+    seen = [la.observe(wait_s=0.001, cycle_s=1.0) for _ in range(9)]
+    assert seen == [4, 4, 3, 3, 3, 2, 2, 2, 1]
+    for _ in range(30):
+        la.observe(0.0, 1.0)
+    assert la.prompts == 0  # synchronous is the floor
+
+
+def test_a_wait_between_half_the_target_and_the_target_holds_it():
+    la = Lookahead(prompts_per_step=4, max_prompts=16, target_idle=0.1, patience=1)
+    la.observe(0.0, None)
+    for _ in range(5):
+        assert la.observe(wait_s=0.07, cycle_s=1.0) == 4
+
+
+def test_it_settles_at_the_edge_with_rare_waits():
+    """A model of the loop: the trainer waits whenever the lookahead is under one step (the missing groups are
+    generated from scratch after it asks), never otherwise. The lookahead probes one prompt under the edge every
+    `patience` cycles, so few cycles wait and the mean stays near one step."""
+    la = Lookahead(prompts_per_step=8, max_prompts=32, target_idle=0.05, patience=4)
+    la.observe(0.0, None)
+    waits, sizes = 0, []
+    for _ in range(200):
+        starved = la.prompts < 8
+        waits += starved
+        la.observe(wait_s=0.2 if starved else 0.0, cycle_s=1.0)
+        sizes.append(la.prompts)
+    assert waits / 200 < 0.15, waits
+    assert 7 <= sum(sizes) / len(sizes) <= 10, sum(sizes) / len(sizes)
+
+
+@pytest.mark.parametrize("bad", [dict(prompts_per_step=0), dict(max_prompts=-1), dict(target_idle=1.0)])
+def test_bad_settings_are_refused_by_name(bad):
+    kwargs = dict(prompts_per_step=4, max_prompts=8) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Lookahead(**kwargs)
