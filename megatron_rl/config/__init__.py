@@ -8,6 +8,7 @@ from megatron_rl.config.cluster import ClusterConfig
 from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.eval import EvalConfig
 from megatron_rl.config.loader import ConfigError, dump_config, explain, load_config, parse_override
+from megatron_rl.config.lora import LoraConfig
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.rollout import BufferConfig, RolloutConfig, SyncConfig
 from megatron_rl.config.run import RunConfig
@@ -16,6 +17,6 @@ from megatron_rl.config.trainer import CheckpointConfig, OptimizerConfig, Parall
 
 __all__ = [
     "AlgorithmConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "ConfigError", "DistillConfig", "EvalConfig",
-    "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "RunConfig", "SyncConfig", "TaskConfig",
-    "TrainerConfig", "dump_config", "explain", "load_config", "parse_override",
+    "LoraConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "RunConfig", "SyncConfig",
+    "TaskConfig", "TrainerConfig", "dump_config", "explain", "load_config", "parse_override",
 ]  # fmt: skip

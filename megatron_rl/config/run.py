@@ -13,6 +13,7 @@ from megatron_rl.config.base import Section
 from megatron_rl.config.cluster import ClusterConfig
 from megatron_rl.config.distill import DistillConfig
 from megatron_rl.config.eval import EvalConfig
+from megatron_rl.config.lora import LoraConfig
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.rollout import BufferConfig, RolloutConfig, SyncConfig
 from megatron_rl.config.task import TaskConfig
@@ -56,6 +57,8 @@ class RunConfig(Section):
     """Evaluation on validation prompts during training."""
     distill: DistillConfig = Field(default_factory=DistillConfig)
     """On-policy distillation from a teacher (off by default)."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Low-rank adapters on the policy, the base frozen (off by default: `lora.rank` 0)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """The cluster a production run is planned for."""
 
