@@ -94,7 +94,10 @@ class LoraAdapter(torch.nn.Module):
         all-reduce of the whole tensor's gradient under sequence parallelism, and the expert buckets."""
         split, whole = (self.lora_B, self.lora_A) if self.column_parallel else (self.lora_A, self.lora_B)
         tensor_parallel.set_tensor_model_parallel_attributes(split, True, 0 if self.column_parallel else 1, 1)
-        whole.tensor_model_parallel = False
+        # The norm counts a tensor not marked TP-split on dense TP rank 0 only. An expert's pair lives on its EP
+        # rank, which can be any dense TP rank, so the whole tensor counts where its ETP rank is 0 (with ETP
+        # dividing TP, the other ETP ranks are never dense TP rank 0).
+        whole.tensor_model_parallel = is_expert and self.tp_group.rank() == 0
         if self.sequence_parallel:
             whole.sequence_parallel = True
         for param in (self.lora_A, self.lora_B):
@@ -160,6 +163,16 @@ def _targeted_linears(model, table: dict[str, AdapterRules], arch: ModelArch, ct
             yield name, module, rules
 
 
+def _check_layout(cfg: LoraConfig, ctx: ParallelContext) -> None:
+    layout = ctx.layout
+    if any(t.startswith("expert_") for t in cfg.targets) and layout.etp > 1 and layout.tp % layout.etp:
+        raise LoraError(
+            f"LoRA on experts at trainer.parallel.etp={layout.etp}, tp={layout.tp}: the gradient norm counts the"
+            f" adapter tensors every ETP rank holds whole once only when etp divides tp; change the layout or drop"
+            f" the expert targets"
+        )
+
+
 def add_lora(model, cfg: LoraConfig, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, seed: int = 0):
     """Freeze `model` (this rank's GPTModel, before DDP wraps it) and put adapters on the targeted linears; returns
     {local adapter module name: adapter}. Call before `optimizer.build_training`."""
@@ -170,6 +183,7 @@ def add_lora(model, cfg: LoraConfig, family: ModelFamily, arch: ModelArch, ctx: 
             "LoRA adapters sit on Megatron's local layer spec (ColumnParallelLinear / RowParallelLinear); this model"
             " was built with Transformer Engine layers: build it with BuildOptions(use_te=False)"
         )
+    _check_layout(cfg, ctx)
     table = adapter_rule_table(family, arch, cfg.targets)
     model.requires_grad_(False)
     adapters = {}
@@ -266,7 +280,8 @@ def iter_adapter_tensors(model, arch: ModelArch, ctx: ParallelContext) -> Iterat
     `model.layers.0.self_attn.q_proj.lora_A.weight`: fused q/k/v and gate/up split into their HF modules (each with
     the shared A), experts by their global index. Every rank of the trainer must iterate (TP / ETP all-gathers);
     each tensor comes out of exactly one rank (TP rank 0 of DP rank 0; for experts ETP rank 0 of expert-DP rank 0
-    of the EP rank that holds it), in model order, A before B. The scale alpha / rank is not applied."""
+    of the EP rank that holds it), in model order, A before B. The scale alpha / rank is not applied. A tensor no
+    rank splits is the parameter itself (a view): copy it to keep it past the next update."""
     for adapter in lora_adapters(model).values():
         for param, rule in ((adapter.lora_A, adapter.rules.a), (adapter.lora_B, adapter.rules.b)):
             full = _gather(param, rule, ctx)
