@@ -33,6 +33,7 @@ from megatron_rl.parallel.layout import layout_from_config
 from megatron_rl.trainer.batch import TrainBatch, replica_rows
 from megatron_rl.trainer.checkpoint import load_checkpoint, load_rng, save_checkpoint, save_rng
 from megatron_rl.trainer.hf_weights import load_hf_into_model
+from megatron_rl.trainer.lora import AdaptersOff, add_lora
 from megatron_rl.trainer.model import BuildOptions, build_gpt_model
 from megatron_rl.trainer.optimizer import TrainingState, build_training, unwrap_model
 from megatron_rl.trainer.routing_replay import BatchRouting
@@ -60,6 +61,7 @@ def build_options(cfg: RunConfig) -> BuildOptions:
         dtype=cfg.model.dtype, moe_dispatcher=cfg.trainer.moe_dispatcher, init_weights=False,
         max_sequence_length=cfg.model.max_sequence_length, moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff,
         recompute=cfg.trainer.recompute, logit_temperature=cfg.rollout.temperature,
+        use_te=False if cfg.lora.enabled else None,  # adapters sit on Megatron's local linears
     )  # fmt: skip
 
 
@@ -245,6 +247,9 @@ class Learner:
         self.cfg = cfg
         layout = layout_from_config(cfg.trainer.parallel)
         self.rank = bring_up_from_hf(cfg.model.hf_path, layout, opts, timeout_s=cfg.trainer.collective_timeout_s)
+        if cfg.lora.enabled:  # the base frozen, adapters beside its targeted linears, before DDP and the optimizer
+            r = self.rank
+            add_lora(r.model, cfg.lora, r.family, r.arch, r.ctx, seed=cfg.trainer.seed)
         self.state = build_training(
             self.rank.model, cfg.trainer.optimizer, cfg.steps * updates_per_batch(cfg.algorithm)
         )
@@ -257,8 +262,11 @@ class Learner:
         self.routing = None if mode == "free" else BatchRouting(self.rank.model, mode)
 
     def _reference_model(self, opts: BuildOptions):
-        """A frozen copy of the starting policy at the same layout, for the KL penalty."""
+        """A frozen copy of the starting policy at the same layout, for the KL penalty; with LoRA the policy's
+        own base, its adapters off (no second model)."""
         r = self.rank
+        if self.cfg.lora.enabled:
+            return AdaptersOff(r.model)
         model = build_gpt_model(r.family, r.arch, r.hf_config, r.ctx, opts)
         load_hf_into_model(model, HFCheckpoint(self.cfg.model.hf_path), r.family, r.arch, r.ctx)
         model.requires_grad_(False)

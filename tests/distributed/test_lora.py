@@ -55,12 +55,16 @@ def lora_runs(tmp_path_factory):
             "optimizer": {"lr": 1e-3, "clip_grad": 1.0}, "batch": str(root / "batch.pt"),
             "eval_tokens": str(root / "tokens.pt"), "out": str(root / name),
         })  # fmt: skip
+    by_world[1][0]["save_dir"] = str(root / "ckpt-1x1x1")
+    (root / "resume").mkdir()
+    resume = {**by_world[4][0], "name": "resume", "out": str(root / "resume"), "load_dir": str(root / "ckpt-1x1x1")}
+    by_world[4].append(resume)
     for world, cases in sorted(by_world.items()):
         spec = root / f"spec{world}.json"
         spec.write_text(json.dumps({"cases": cases}))
         run_torchrun(WORKER, [str(spec)], world, timeout_s=240 * len(cases), log_path=root / f"log{world}.txt")
     runs = {}
-    for name in LAYOUTS:
+    for name in [*LAYOUTS, "resume"]:
         merged: dict[str, dict] = {"before": {}, "after": {}}
         for path in sorted((root / name).glob("adapters-*.pt")):
             for when, tensors in torch.load(path).items():
@@ -147,3 +151,15 @@ def test_merged_hf_adapters_give_the_trainers_logprobs(lora_runs, tmp_path):
     assert _max_diff(want, report["lora"]) <= LOGPROB_TOL
     assert _max_diff(hf_logprobs(hf, lora_runs["_tokens"]), report["base"]) <= LOGPROB_TOL
     assert root.exists()
+
+
+def test_a_run_checkpoint_with_adapters_loads_at_another_layout(lora_runs):
+    """A run checkpoint (the model with its adapters, the adapter-only optimizer) saved on one rank after the
+    update loads at TP2xEP2xDP2 with the same logprobs and adapters, and training goes on from it (adapters only)."""
+    ref, ref_adapters = lora_runs["1x1x1"]
+    got, adapters = lora_runs["resume"]
+    assert _max_diff(got["loaded"], ref["after"]) <= LOGPROB_TOL
+    assert _max_diff(got["base"], ref["base"]) <= LOGPROB_TOL
+    for key, tensor in ref_adapters["after"].items():
+        assert _max_diff(adapters["before"][key], tensor) <= 1e-6, key
+    assert got["base_change"] == 0.0 and got["adapter_change"] > 1e-4

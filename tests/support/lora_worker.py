@@ -10,6 +10,9 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
     batch         path of a saved global batch (TrainBatch fields); eval_tokens: path of a [B, S] token tensor
     out           folder: `report.pt` from the stats owner (logprobs, stats), `adapters-<rank>.pt` from every rank
                   (the HF-named full adapter tensors it owns, before and after the update)
+    save_dir      (optional) save model and optimizer after the update
+    load_dir      (optional) instead of initialising and updating: load model and optimizer from there and report
+                  the logprobs (`after`) and adapters (`after`) as loaded, then take the update (`resumed`)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from megatron_rl.config import AlgorithmConfig, LoraConfig, OptimizerConfig
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.trainer.batch import TrainBatch, replica_share
+from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.learner import train_batch
 from megatron_rl.trainer.lora import AdaptersOff, add_lora, init_adapter_weights, iter_adapter_tensors
 from megatron_rl.trainer.model import BuildOptions
@@ -60,6 +64,9 @@ def run_case(case: dict) -> None:
     report["in_ddp_buffers"] = sorted(names[id(p)] for buf in buffers for p in buf.params)
     before = {n: p.detach().clone() for n, p in rank.model.named_parameters()}
     reference = AdaptersOff(rank.model)
+    if case.get("load_dir"):
+        load_checkpoint(state.model, case["load_dir"], optimizer=state.optimizer)
+        report["loaded"] = compute_logprobs(state.model, ctx, tokens, 2)
     report["lora"] = compute_logprobs(state.model, ctx, tokens, 2)
     report["off"] = compute_logprobs(reference, ctx, tokens, 2)
     adapters = {"before": {n: t.clone() for n, t in iter_adapter_tensors(rank.model, arch, ctx)}}
@@ -70,6 +77,9 @@ def run_case(case: dict) -> None:
     report["base_change"], report["adapter_change"] = _max_change(before, state.model)
     report["after"] = compute_logprobs(state.model, ctx, tokens, 2)
     adapters["after"] = dict(iter_adapter_tensors(rank.model, arch, ctx))
+    if case.get("save_dir"):
+        meta = {"family": rank.family.name, "dtype": "float32", "layout": ctx.layout.describe()}
+        save_checkpoint(state.model, ctx, case["save_dir"], meta, hf_dir=case["hf"], optimizer=state.optimizer)
     torch.save(adapters, out / f"adapters-{ctx.rank}.pt")
     if ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
         torch.save({k: v.cpu() if torch.is_tensor(v) else v for k, v in report.items()}, out / "report.pt")
