@@ -66,3 +66,11 @@ def positive_number(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
     return value
+
+
+def probability(text: str) -> float:
+    """An argparse type: a number in (0, 1] (top-p mass)."""
+    value = positive_number(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a probability mass, at most 1")
+    return value

@@ -1,11 +1,18 @@
-"""`megatron-rl verify parity | sync | routing | roundtrip`: checks of the trainer, the weight sync and conversions against
+"""`megatron-rl verify parity | sync | routing | sampling-mask | roundtrip`: checks of the trainer, the weight sync and conversions against
 Hugging Face and the engines."""
 
 from __future__ import annotations
 
 import argparse
 
-from megatron_rl.commands.args import add_json_flag, add_layout_args, non_negative_int, positive_int, positive_number
+from megatron_rl.commands.args import (
+    add_json_flag,
+    add_layout_args,
+    non_negative_int,
+    positive_int,
+    positive_number,
+    probability,
+)
 from megatron_rl.parallel.layout import LayoutError, layout_from_config
 
 
@@ -52,6 +59,17 @@ def add_parser(sub) -> None:
     q.add_argument("--timeout", type=positive_number, default=300.0)
     add_json_flag(q)
     q.set_defaults(run=run_sync)
+    _add_routing(ver)
+    _add_sampling_mask(ver)
+    q = ver.add_parser("roundtrip", help="compare two HF checkpoints tensor by tensor")
+    q.add_argument("first")
+    q.add_argument("second")
+    add_json_flag(q)
+    q.set_defaults(run=run_roundtrip)
+
+
+def _add_routing(ver) -> None:
+    """`verify routing`'s arguments."""
     q = ver.add_parser(
         "routing", help="routing replay: a perturbed-router engine's routes replayed in the trainer at a layout"
     )
@@ -72,11 +90,27 @@ def add_parser(sub) -> None:
     q.add_argument("--timeout", type=positive_number, default=600.0)
     add_json_flag(q)
     q.set_defaults(run=run_routing)
-    q = ver.add_parser("roundtrip", help="compare two HF checkpoints tensor by tensor")
-    q.add_argument("first")
-    q.add_argument("second")
+
+
+def _add_sampling_mask(ver) -> None:
+    """`verify sampling-mask`'s arguments."""
+    q = ver.add_parser(
+        "sampling-mask", help="top-k / top-p sampling: the trainer's masked logprobs against an engine's"
+    )
+    q.add_argument("--hf", required=True)
+    add_layout_args(q)
+    q.add_argument("--engine-tp", type=positive_int, default=1, help="vLLM TP size of the engine")
+    q.add_argument("--top-k", type=positive_int, default=16)
+    q.add_argument("--top-p", type=probability, default=0.9)
+    q.add_argument("--temperature", type=positive_number, default=0.7)
+    q.add_argument("--prompts", type=positive_int, default=4)
+    q.add_argument("--prompt-len", type=positive_int, default=8)
+    q.add_argument("--response-len", type=positive_int, default=24)
+    q.add_argument("--seed", type=non_negative_int, default=0)
+    q.add_argument("--tolerance", type=positive_number, default=1e-5, help="max |logprob diff| with the mask")
+    q.add_argument("--timeout", type=positive_number, default=600.0)
     add_json_flag(q)
-    q.set_defaults(run=run_roundtrip)
+    q.set_defaults(run=run_sampling_mask)
 
 
 def run_parity(args: argparse.Namespace) -> dict:
@@ -119,6 +153,18 @@ def run_routing(args: argparse.Namespace) -> dict:
         tolerance=args.tolerance, timeout_s=args.timeout, dtype=args.dtype,
     )  # fmt: skip
     return run_routing_check(args.hf, layout_from_config(args), check)
+
+
+def run_sampling_mask(args: argparse.Namespace) -> dict:
+    """An engine's top-k / top-p samples scored by the trainer with and without the sampling mask."""
+    from megatron_rl.verify.sampling_mask import MaskCheck, run_sampling_mask_check  # Ray, vLLM: not for --help
+
+    check = MaskCheck(
+        top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, prompts=args.prompts,
+        prompt_len=args.prompt_len, response_len=args.response_len, seed=args.seed, engine_tp=args.engine_tp,
+        tolerance=args.tolerance, timeout_s=args.timeout,
+    )  # fmt: skip
+    return run_sampling_mask_check(args.hf, layout_from_config(args), check)
 
 
 def run_roundtrip(args: argparse.Namespace) -> dict:

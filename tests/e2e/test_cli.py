@@ -81,3 +81,19 @@ def test_verify_routing_replay_closes_a_perturbed_engines_routing(tiny_dir):
     assert report["agreement_with_replay"] == 1.0
     assert report["max_abs_logprob_diff_with_replay"] <= 1e-5
     assert report["max_abs_logprob_diff_without_replay"] > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_verify_sampling_mask_matches_the_engine_at_top_p_and_top_k(tiny_dir, engine_tp):
+    """Top-p 0.9 and top-k 16 at temperature 0.7: the trainer at TP2 with the mask on the engine's kept sets gives
+    the engine's logprobs (issue 18, must-show 2), and without the mask logprobs biased low."""
+    result = mrl(
+        "verify", "sampling-mask", "--hf", tiny_dir("qwen3_moe"), "--tp", "2", "--engine-tp", str(engine_tp), "--json"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print(report)
+    assert report["passed"] is True and report["failures"] == [] and report["num_response_tokens"] == 4 * 24
+    assert report["max_abs_logprob_diff_with_mask"] <= 1e-5 and report["engine_sets_known_frac"] > 0.9
+    assert report["mean_logprob_diff_without_mask"] < -0.1
