@@ -11,6 +11,7 @@ from megatron_rl.models import CheckpointError, family_for_hf_config, get_family
 from megatron_rl.parallel.layout import LayoutError, ParallelLayout, check_layout_fits_model, layout_from_config
 from megatron_rl.planner.common import PlanError
 from megatron_rl.planner.engines import EnginePlan, plan_engines
+from megatron_rl.planner.lora import plan_lora
 from megatron_rl.planner.params import model_size
 from megatron_rl.planner.report import Plan, gb, stage_gb
 from megatron_rl.planner.trainer import TrainerPlan, plan_trainer
@@ -127,8 +128,15 @@ def plan(cfg: RunConfig, hf_config: dict | None = None, model_source: str = "") 
     trainer = plan_trainer(cfg, arch, hf_config, layout)
     engines = plan_engines(cfg, arch)
     _check_fits(cfg, trainer, engines)
+    size = model_size(arch, hf_config)
+    lora = plan_lora(cfg, arch, layout, _stage_ranges(trainer.stage_layers), size.total) if cfg.lora.enabled else None
     return Plan(
-        name=cfg.name, family=family.name, model_source=model_source, size=model_size(arch, hf_config),
-        gpu=cfg.cluster.gpu, trainer_gpus=trainer_gpus, inference_gpus=inference_gpus, trainer=trainer,
-        engines=engines,
+        name=cfg.name, family=family.name, model_source=model_source, size=size, gpu=cfg.cluster.gpu,
+        trainer_gpus=trainer_gpus, inference_gpus=inference_gpus, trainer=trainer, engines=engines, lora=lora,
     )  # fmt: skip
+
+
+def _stage_ranges(counts: list[int]) -> list[range]:
+    """The global layer indices of each pipeline stage."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]

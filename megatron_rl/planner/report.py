@@ -6,6 +6,7 @@ import dataclasses
 
 from megatron_rl.planner.common import GB
 from megatron_rl.planner.engines import EnginePlan
+from megatron_rl.planner.lora import LoraPlan
 from megatron_rl.planner.params import ModelSize
 from megatron_rl.planner.trainer import StageMemory, TrainerPlan
 
@@ -32,10 +33,13 @@ class Plan:
     """Trainer memory."""
     engines: EnginePlan
     """Engine memory."""
+    lora: LoraPlan | None = None
+    """The adapters (with `lora.rank` > 0)."""
 
     def to_dict(self) -> dict:
         """A JSON-ready summary in GB (10^9 bytes) and billions of parameters."""
         worst = self.trainer.worst
+        lora = {} if self.lora is None else {"lora": lora_dict(self.lora)}
         return {
             "name": self.name,
             "family": self.family,
@@ -67,7 +71,29 @@ class Plan:
                 "kv_cache_tokens_per_replica": self.engines.kv_cache_tokens,
                 "max_sequences_per_replica": self.engines.max_sequences,
             },
-        }
+        } | lora
+
+
+def lora_dict(p: LoraPlan) -> dict:
+    """The adapters' part of a plan: sizes per stage in GB, sync bytes exact."""
+    return {
+        "rank": p.rank,
+        "targets": list(p.targets),
+        "sync": p.sync,
+        "adapted_layers": p.adapted_layers,
+        "params_m": round(p.params / 1e6, 2),
+        "per_gpu_gb": [
+            {"params": gb(a), "grads": gb(g), "optimizer": gb(o)}
+            for a, g, o in zip(p.param_bytes, p.grad_bytes, p.optimizer_bytes, strict=True)
+        ],
+        "per_gpu_bytes": [
+            {"params": a, "grads": g, "optimizer": o}
+            for a, g, o in zip(p.param_bytes, p.grad_bytes, p.optimizer_bytes, strict=True)
+        ],
+        "sync_bytes": p.sync_bytes,
+        "full_sync_bytes": p.full_sync_bytes,
+        "sync_fraction": round(p.sync_fraction, 5),
+    }
 
 
 def gb(nbytes: int) -> float:
@@ -115,4 +141,22 @@ def format_plan(p: Plan) -> str:
         f" {e['kv_cache']} GB = {inf['kv_cache_tokens_per_replica']} tokens per replica"
         f" ({inf['kv_bytes_per_token']} B/token), {inf['max_sequences_per_replica']} full-length sequences",
     ]
+    if p.lora is not None:
+        lines += lora_lines(p.lora)
     return "\n".join(lines)
+
+
+def lora_lines(p: LoraPlan) -> list[str]:
+    """The adapters' lines of the table: per stage the adapter bytes on one GPU, then one sync's bytes."""
+    layers = ", ".join(f"{t} {n}" for t, n in p.adapted_layers.items())
+    lines = [
+        f"lora      rank {p.rank}, sync {p.sync}: {p.params / 1e6:.1f}M adapter parameters ({layers})",
+        f"  {'stage':>5} {'params':>10} {'grads':>10} {'optim':>10}  (MB per GPU, in the stage table above)",
+    ]
+    for stage, (a, g, o) in enumerate(zip(p.param_bytes, p.grad_bytes, p.optimizer_bytes, strict=True)):
+        lines.append(f"  {stage:>5} {a / 1e6:>10.1f} {g / 1e6:>10.1f} {o / 1e6:>10.1f}")
+    lines.append(
+        f"  sync: {p.sync_bytes / GB:.3f} GB of adapters per update vs {p.full_sync_bytes / GB:.2f} GB for a full"
+        f" sync ({100 * p.sync_fraction:.2f}%)"
+    )
+    return lines

@@ -16,6 +16,8 @@ Per GPU of each stage:
   min(pp - s, microbatches) microbatches in flight; with `trainer.recompute` (full, uniform, one layer) only each
   layer's input stays, plus one layer's working set during its recomputation.
 - a fixed overhead (CUDA context, NCCL communicators, allocator fragmentation) and the weight-sync double buffer.
+- with LoRA (`lora.rank` > 0) the parameters include the adapters and the gradients and optimizer state are the
+  adapters' alone (`lora.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.models import ModelArch, get_family
 from megatron_rl.parallel.layout import ParallelLayout, stage_layer_counts
 from megatron_rl.planner.common import DTYPE_BYTES, GB
+from megatron_rl.planner.lora import optimizer_state_bytes, stage_adapters
 from megatron_rl.planner.params import stage_params, topk
 
 TRAINER_OVERHEAD_BYTES = 4 * GB
@@ -141,6 +144,11 @@ def plan_trainer(cfg: RunConfig, arch: ModelArch, hf_config: dict, layout: Paral
         expert = math.ceil(p.expert / (layout.ep * layout.etp))
         local = dense + expert
         optimizer = state_bytes * (math.ceil(dense / dense_shards) + math.ceil(expert / expert_shards))
+        trained = local
+        if cfg.lora.enabled:  # the base frozen: gradients and optimizer state of the adapters only
+            adapters = stage_adapters(cfg.lora, arch, layout, layers)
+            local, trained = local + adapters.total, adapters.total
+            optimizer = optimizer_state_bytes(cfg, adapters, layout)
         in_flight = min(layout.pp - stage, microbatches)
         per_layer = [layer_activation_bytes(arch, hf_config, i, tokens, layout, dtype_bytes) for i in layers]
         if t.recompute:  # each layer keeps only its input; one layer at a time is recomputed whole
@@ -152,7 +160,7 @@ def plan_trainer(cfg: RunConfig, arch: ModelArch, hf_config: dict, layout: Paral
             activations += logits_bytes(arch, tokens, layout.tp)
         stages.append(
             StageMemory(
-                stage=stage, layers=count, params=local, param_bytes=dtype_bytes * local, grad_bytes=4 * local,
+                stage=stage, layers=count, params=local, param_bytes=dtype_bytes * local, grad_bytes=4 * trained,
                 optimizer_bytes=optimizer, activation_bytes=activations, overhead_bytes=overhead,
             )
         )  # fmt: skip
