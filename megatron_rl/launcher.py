@@ -90,7 +90,10 @@ def start_teacher_scorer(cfg: RunConfig, teachers: EnginePool | None) -> Teacher
         return None
     teachers.wait_started()
     restart = functools.partial(teachers.restart, timeout_s=cfg.rollout.restart_timeout_s)
-    return TeacherScorer(teachers.actors, restart, cfg.distill.request_timeout_s, cfg.rollout.max_engine_restarts)
+    return TeacherScorer(
+        teachers.actors, restart, cfg.distill.request_timeout_s, cfg.rollout.max_engine_restarts,
+        refresh_wait_s=cfg.trainer.timeout_s + cfg.sync.timeout_s,  # a snapshot teacher's: the trainer's next poll
+    )  # fmt: skip
 
 
 class LocalTrainerJob:
@@ -230,13 +233,13 @@ def run_training(
     buffer = start_buffer(cfg, task, run_state)
     pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
     teachers = EnginePool(teacher_specs(cfg), cpus_per_engine=0.5) if cfg.distill.enabled else None
-    pools = [p for p in (pool, teachers) if p is not None]  # teachers are never synced: not in the trainer's roster
+    pools = [p for p in (pool, teachers) if p is not None]  # teachers: not in the roster (a snapshot's own sync)
     job = None
     try:
         for engines in pools:  # vLLM loads while the trainer starts: neither waits for the other until the first sync
             engines.create()
         control = make_control_actor([(h.name, h.workers) for h in pool.handles()])
-        spec = trainer_spec(cfg, ray_info["address"], pool, run_dir, resume_from)
+        spec = trainer_spec(cfg, ray_info["address"], pool, run_dir, resume_from, teachers)
         write_atomically(spec_path, json.dumps(spec))  # a trainer waiting for the file never reads half of it
         job = start_trainer_job(cfg, spec_path, log_dir, control, external_trainer)
         pool.wait_started()
@@ -293,7 +296,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
     hf_path = ensure_model(cfg)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
     tokenizer = load_tokenizer(hf_path)
-    if cfg.distill.enabled:
+    if cfg.distill.teacher == "hf":
         check_teacher(hf_path, cfg.distill.teacher_path)  # before any engine starts: refused at start-up
     task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
     truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
@@ -334,9 +337,17 @@ def start_buffer(cfg: RunConfig, task, run_state: dict | None):
     return buffer
 
 
-def trainer_spec(cfg: RunConfig, ray_address: str, pool: EnginePool, run_dir: Path, resume_from: Path | None) -> dict:
+def trainer_spec(
+    cfg: RunConfig,
+    ray_address: str,
+    pool: EnginePool,
+    run_dir: Path,
+    resume_from: Path | None,
+    teachers: EnginePool | None = None,
+) -> dict:
     """What every trainer rank reads at start (`trainer_spec.json`): the config and where to find the run."""
     return {
+        "teachers": [[h.name, h.workers] for h in teachers.handles()] if teachers is not None else [],
         "config": cfg.model_dump(mode="json"), "ray_address": ray_address, "buffer": BUFFER_NAME,
         "control": CONTROL_NAME, "engines": [[h.name, h.workers] for h in pool.handles()],
         "run_dir": str(run_dir), "resume_from": str(resume_from) if resume_from else None,

@@ -19,8 +19,9 @@ class DistillConfig(Section):
 
     teacher: Literal["none", "hf", "snapshot"] = "none"
     """Where the teacher comes from: `none` (no distillation), `hf` (the Hugging Face checkpoint at
-    `teacher_path`, served by its own engine pool), or `snapshot` (a frozen copy of the policy refreshed every
-    `refresh_every` steps; not implemented yet)."""
+    `teacher_path`, served by its own engine pool), or `snapshot` (self-distillation: teacher engines that start
+    from the policy's checkpoint and get the trainer's weights every `refresh_every` steps through the weight
+    sync, frozen in between)."""
     teacher_path: str = ""
     """Folder of the teacher's Hugging Face checkpoint (`teacher: hf`); its tokenizer must be the student's."""
     teacher_dtype: Literal["float32", "bfloat16"] | None = None
@@ -37,7 +38,8 @@ class DistillConfig(Section):
     """Add the task reward's advantage to the distillation term; false: pure distillation (the reward is still
     computed and logged, `reward/mean`, but trains nothing)."""
     refresh_every: int = Field(0, ge=0)
-    """`teacher: snapshot` only: copy the policy into the teacher engines every this many steps (0: never)."""
+    """`teacher: snapshot` only: copy the policy into the teacher engines after every this many steps (0: never,
+    the teacher stays the starting policy). A restarted teacher gets the current policy at the next step."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Longest the teacher may take to score one group; past it the scoring failed and the prompt is requeued."""
 
@@ -48,10 +50,10 @@ class DistillConfig(Section):
 
     @model_validator(mode="after")
     def _teacher_complete(self) -> DistillConfig:
-        if self.teacher == "snapshot":
+        if self.teacher == "snapshot" and self.teacher_path:
             raise ValueError(
-                "distill.teacher=snapshot (self-distillation from a refreshed policy copy) is not implemented yet;"
-                " use distill.teacher=hf with distill.teacher_path"
+                f"distill.teacher=snapshot copies the policy into the teacher engines, so distill.teacher_path="
+                f"{self.teacher_path!r} has no use: leave it empty, or set distill.teacher=hf to distil from it"
             )
         if self.teacher == "hf" and not self.teacher_path:
             raise ValueError("distill.teacher=hf needs distill.teacher_path (the teacher's Hugging Face checkpoint)")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import ray
 import torch
 
-from megatron_rl.rollout.teacher import LATENCY_KEY
+from megatron_rl.rollout.teacher import LATENCY_KEY, VERSION_KEY
 from megatron_rl.rollout.types import Group
 
 
@@ -39,6 +39,7 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict:
         "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
         **reward_components(samples),
         **teacher_latency(groups),
+        **teacher_versions(groups),
     }
 
 
@@ -49,6 +50,17 @@ def teacher_latency(groups: list[Group]) -> dict:
     if not seconds:
         return {}
     return {"distill/teacher_latency_s": sum(seconds) / len(seconds), "distill/teacher_latency_max_s": max(seconds)}
+
+
+def teacher_versions(groups: list[Group]) -> dict:
+    """`distill/teacher_version` (mean) and `_min`: the teacher weight versions that scored the batch's groups (0
+    for a fixed teacher; a snapshot teacher's follows the policy every `distill.refresh_every` steps)."""
+    versions = [
+        g.samples[0].metadata[VERSION_KEY] for g in groups if g.samples and VERSION_KEY in g.samples[0].metadata
+    ]
+    if not versions:
+        return {}
+    return {"distill/teacher_version": sum(versions) / len(versions), "distill/teacher_version_min": min(versions)}
 
 
 _REWARD_KEYS = ("mean", "std", "max")
@@ -126,8 +138,13 @@ class EngineMeter:
     An engine that does not answer (dead, being restarted) is left out; a restarted one's counters start at 0.
     """
 
-    def __init__(self, handles: Callable[[], list]):
+    KEYS = ("time/engine_idle_frac", "throughput/generated_tokens_per_s", "engines/answering")
+    """The metric names of the idle fraction, the generation rate and the answering engines."""
+
+    def __init__(self, handles: Callable[[], list], keys: tuple[str | None, str | None, str | None] = KEYS):
         self.handles = handles
+        self.keys = keys
+        """`KEYS`' names for these engines (None leaves a figure out)."""
         self.last_time, self.last = time.perf_counter(), self._snapshot()
 
     def _snapshot(self) -> dict[str, tuple[float, float]]:
@@ -151,8 +168,5 @@ class EngineMeter:
             busy += b if restarted else b - b0
             tokens += t if restarted else t - t0
         self.last_time, self.last = now_time, now
-        return {
-            "time/engine_idle_frac": max(0.0, 1.0 - busy / (wall * max(1, len(now)))),
-            "throughput/generated_tokens_per_s": tokens / wall,
-            "engines/answering": len(now),
-        }
+        figures = (max(0.0, 1.0 - busy / (wall * max(1, len(now)))), tokens / wall, len(now))
+        return {key: value for key, value in zip(self.keys, figures) if key is not None}

@@ -396,7 +396,18 @@ class VLLMEngine:
             entries = final.prompt_logprobs[1:]
             return [_sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
 
-        return list(await asyncio.gather(*(one(s) for s in sequences)))
+        self._check_consistent()
+        self._mark_busy(+1)  # scoring is this engine's work as a teacher: its idle fraction counts it
+        try:
+            return list(await asyncio.gather(*(one(s) for s in sequences)))
+        finally:
+            self._mark_busy(-1)
+
+    async def score_versioned(self, sequences: list[list[int]]) -> dict:
+        """`score`, with the weight version the scores came from (`version`, read when they are back: an update
+        pauses a scoring between engine steps, and the prefill that gives prompt logprobs is one step)."""
+        logprobs = await self.score(sequences)
+        return {"version": self.version, "logprobs": logprobs}
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests (each returns what it generated so far, finish_reason 'abort')."""

@@ -1,16 +1,20 @@
 """On-policy distillation, rollout side: the teacher engines that score what the student generates.
 
 The teacher is a Hugging Face checkpoint served by its own engine pool (`distill.teacher: hf`): vLLM engines like
-the student's, never synced. The generation driver hands each group to `TeacherScorer.score` while its rewards
-are computed; the scorer asks the least busy live teacher for the prompt logprobs of every sample's prompt +
-response (`VLLMEngine.score`, prompt_logprobs=0: the logprob of each token given its prefix, untempered) and
-stores the response tokens' ones on the sample (`Sample.teacher_logprobs`), with the call's latency in
-`sample.metadata["teacher_latency_s"]`.
+the student's, never synced; or (`distill.teacher: snapshot`) such a pool started from the policy's checkpoint that
+the trainer refreshes with its weights every `distill.refresh_every` steps (`weights/snapshot.py`). The generation
+driver hands each group to `TeacherScorer.score` while its rewards are computed; the scorer asks the least busy
+live teacher for the prompt logprobs of every sample's prompt + response (`VLLMEngine.score_versioned`,
+prompt_logprobs=0: the logprob of each token given its prefix, untempered) and stores the response tokens' ones on
+the sample (`Sample.teacher_logprobs`), with the call's latency and the teacher's weight version in
+`sample.metadata`.
 
 A scoring that fails (timeout, engine error, a dead teacher, a non-finite logprob) raises `TeacherError`: the
 driver requeues the prompt as it does after a failed generation, so no sample is lost. A teacher whose actor died,
-or that timed out and then answers no health call (hung), is restarted from its checkpoint (no weight sync: its
-weights never change), up to `rollout.max_engine_restarts` times; past that the run stops (GenerationError).
+or that timed out and then answers no health call (hung), is restarted from its checkpoint, up to
+`rollout.max_engine_restarts` times; past that the run stops (GenerationError). A restarted teacher scores again
+only once it holds at least the weight version it last scored with (a snapshot teacher starts from the policy's
+checkpoint and waits for the trainer's refresh, which a restart brings forward; a fixed teacher is always there).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 
 LATENCY_KEY = "teacher_latency_s"
 """`sample.metadata` key of the teacher call's seconds (the `distill/teacher_latency_s` metric)."""
+VERSION_KEY = "teacher_version"
+"""`sample.metadata` key of the teacher's weight version that scored the sample (`distill/teacher_version`)."""
 WAIT_POLL_S = 0.2
 """How often a scoring that finds every teacher down looks for a restarted one."""
 PROBE_TIMEOUT_S = 10.0
@@ -78,12 +84,14 @@ def tokenizer_differences(student, teacher) -> list[str]:
 
 
 def teacher_specs(cfg: RunConfig) -> list[EngineSpec]:
-    """One EngineSpec per teacher engine (`distill`): the teacher checkpoint, one token longer than the student's
-    sequences (scoring a whole prompt + response asks vLLM for one more token)."""
+    """One EngineSpec per teacher engine (`distill`): the teacher checkpoint (a snapshot teacher: the policy's,
+    `model.hf_path`), one token longer than the student's sequences (scoring a whole prompt + response asks vLLM
+    for one more token)."""
     d, r = cfg.distill, cfg.rollout
+    path = d.teacher_path if d.teacher == "hf" else cfg.model.hf_path
     return [
         EngineSpec(
-            name=f"teacher-{i}", model_path=d.teacher_path, dtype=d.teacher_dtype or cfg.model.dtype,
+            name=f"teacher-{i}", model_path=path, dtype=d.teacher_dtype or cfg.model.dtype,
             tensor_parallel=d.engine_tp, max_model_len=cfg.model.max_sequence_length + 1,
             cpu_kv_cache_gb=d.cpu_kv_cache_gb, seed=cfg.trainer.seed + 1000 + i,
             max_num_seqs=max(16, r.num_engines * r.max_concurrent_prompts * r.samples_per_prompt),
@@ -112,7 +120,12 @@ class TeacherScorer:
     """Scores groups on the teacher engines (module docstring); every call is bounded by `timeout_s`."""
 
     def __init__(
-        self, actors: dict[str, object], restart: Callable[[str], object], timeout_s: float, max_restarts: int
+        self,
+        actors: dict[str, object],
+        restart: Callable[[str], object],
+        timeout_s: float,
+        max_restarts: int,
+        refresh_wait_s: float = 600.0,
     ):
         self.actors = dict(actors)
         self._restart_blocking = restart
@@ -124,6 +137,11 @@ class TeacherScorer:
         self.failures = 0
         self._restarting: dict[str, asyncio.Task] = {}
         self.fatal: BaseException | None = None
+        self.versions = dict.fromkeys(self.actors, 0)
+        """The weight version each teacher last scored with."""
+        self.refresh_wait_s = refresh_wait_s
+        """How long a restarted teacher may wait for the weights it held (the trainer's refresh) before the run
+        stops."""
 
     async def score(self, samples: list[Sample]) -> float:
         """Set `teacher_logprobs` (and the latency) on every sample of one group; returns the seconds it took.
@@ -136,7 +154,7 @@ class TeacherScorer:
         self.busy[name] += 1
         try:
             sequences = [s.prompt_ids + s.response_ids for s in samples]
-            scored = await asyncio.wait_for(actor.score.remote(sequences), self.timeout_s)
+            scored = await asyncio.wait_for(actor.score_versioned.remote(sequences), self.timeout_s)
         except asyncio.TimeoutError:
             self.failures += 1
             await self._check_hung(name, actor)
@@ -148,11 +166,14 @@ class TeacherScorer:
             raise TeacherError(f"{name}: {error_line(err)}") from err
         finally:
             self.busy[name] -= 1
-        values = [response_logprobs(s, scores) for s, scores in zip(samples, scored, strict=True)]
+        values = [response_logprobs(s, scores) for s, scores in zip(samples, scored["logprobs"], strict=True)]
         seconds = time.perf_counter() - start
+        if self.actors[name] is actor:
+            self.versions[name] = max(self.versions.get(name, 0), scored["version"])
         for sample, mine in zip(samples, values):
             sample.teacher_logprobs = mine
             sample.metadata[LATENCY_KEY] = seconds
+            sample.metadata[VERSION_KEY] = scored["version"]
         return seconds
 
     async def _a_live_teacher(self) -> str:
@@ -195,12 +216,28 @@ class TeacherScorer:
     async def _restart(self, name: str) -> None:
         try:
             actor = await asyncio.get_running_loop().run_in_executor(None, self._restart_blocking, name)
+            self.actors[name] = actor  # the trainer finds it by name and refreshes it (a snapshot teacher)
+            await self._await_version(name, actor, self.versions.get(name, 0))
         except Exception as err:
             self.fatal = GenerationError(f"restarting teacher {name} failed: {error_line(err)}")
             return
-        self.actors[name] = actor
         self.down.pop(name, None)
         log.warning("teacher %s is back", name)
+
+    async def _await_version(self, name: str, actor, version: int) -> None:
+        """Wait until the restarted `actor` holds weights of at least `version` (those it scored with before);
+        TimeoutError past `refresh_wait_s`."""
+        deadline = time.monotonic() + self.refresh_wait_s
+        while version > 0:
+            held = await asyncio.wait_for(actor.weight_version.remote(), PROBE_TIMEOUT_S)
+            if held >= version:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{name} restarted at weight version {held}, and the trainer did not bring it to version"
+                    f" {version} within {self.refresh_wait_s:.0f} s"
+                )
+            await asyncio.sleep(WAIT_POLL_S)
 
     def report(self) -> dict:
         """The teacher side's counters for the run's summary."""

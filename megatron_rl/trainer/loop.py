@@ -33,6 +33,7 @@ from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
 from megatron_rl.weights.export import export_hf_folder
 from megatron_rl.weights.recovery import RecoveringSync
+from megatron_rl.weights.snapshot import SnapshotTeachers
 from megatron_rl.weights.sync import TrainerWeightSync, engine_handles, ray_get_named
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,11 @@ class TrainerLoop:
         restart_wait_s = cfg.rollout.hang_timeout_s + cfg.rollout.restart_timeout_s
         self.sync = RecoveringSync(sync, self.control, restart_wait_s)
         self.lagged = LaggedWeights(unwrap_model(self.learner.state.model), cfg.algorithm.forced_lag)
+        self.teachers = snapshot_teachers(cfg, spec, self.learner, self.is_rank0)
         if self.step:  # the engines start from the HF weights: bring them to the resumed ones
             self.sync.push(self.step)
+            if self.teachers is not None:  # and the teachers to them: their snapshot went with the old run
+                self.teachers.refresh({"reform": False}, self.step)
         if self.is_rank0:
             ray.get(self.buffer.configure_admission.remote(**admission(cfg)), timeout=60)
             self.buffer.set_trainer_version.remote(self.step)
@@ -107,6 +111,7 @@ class TrainerLoop:
                 spec["run_dir"], cfg.steps, cfg.wandb_project, config=cfg.model_dump(mode="json")
             )
             self.meter = EngineMeter(lambda: self.sync.sync.engines)
+            self.teacher_meter = EngineMeter(lambda: named_handles(spec.get("teachers", [])), TEACHER_METER_KEYS)
             self.evals = EvalInbox(spec["run_dir"])
             self.zero_variance = ZeroVarianceShare()
             self._report("running")
@@ -133,6 +138,9 @@ class TrainerLoop:
                 return None
             if kind == "error":  # never on rank 0: it raised its own error already
                 raise BatchWaitError(f"rank 0 stopped waiting for a batch: {data}")
+            if kind == "teachers":  # a snapshot teacher was restarted: it waits for its weights
+                self.teachers.refresh(data, self.step)
+                continue
             self.sync.resync(data, self.step)
 
     def _rank0_payload(self) -> tuple[str, object]:
@@ -151,6 +159,9 @@ class TrainerLoop:
             roster = self.sync.roster_changed()
             if roster is not None:
                 return "roster", roster
+            plan = self.teachers.plan(self.step, due=False) if self.teachers is not None else None
+            if plan is not None:
+                return "teachers", plan
             groups = self._take_batch(2.0)
             if groups:
                 return "groups", [g.to_dict() for g in groups]
@@ -213,7 +224,10 @@ class TrainerLoop:
         `step - k` instead, and nothing while that is the start version they already hold."""
         self.learner.check_weights(step)
         with self.heartbeat.during(step, f"pushing the weights of step {step}"):  # a recovery may take minutes
-            return self._push(step)
+            report = self._push(step)
+            if self.teachers is not None:
+                report["teachers"] = self.teachers.after_step(step)
+            return report
 
     def _push(self, step: int) -> dict:
         if not self.lagged.lag:
@@ -240,6 +254,7 @@ class TrainerLoop:
             record |= first
         elif evaluating:
             record |= self.evals.take()
+        record |= sync_report.get("teachers", {}) | (self.teacher_meter.measure() if self.spec.get("teachers") else {})
         self.metrics.log(step, record | self.meter.measure())
         for result in later:  # results that came after the previous step's record: records of their own
             self.metrics.log(step, result, kind=EVAL_RECORD)
@@ -300,6 +315,36 @@ class _WeightView:
         rank = learner.rank
         self.ctx, self.family, self.arch, self.hf_config = rank.ctx, rank.family, rank.arch, rank.hf_config
         self.model = unwrap_model(learner.state.model)
+
+
+TEACHER_METER_KEYS = ("distill/teacher_idle_frac", None, "distill/teachers_answering")
+"""The teacher engines' `EngineMeter` metrics (they generate no tokens)."""
+
+
+def snapshot_teachers(cfg: RunConfig, spec: dict, learner: Learner, is_rank0: bool) -> SnapshotTeachers | None:
+    """(Every rank) the snapshot teachers' weight sync, formed (`distill.teacher: snapshot`); else None."""
+    if cfg.distill.teacher != "snapshot":
+        return None
+    handles = engine_handles(spec["teachers"], is_rank0)
+    if is_rank0:
+        ready = {h.name: h.actor.ready.remote(cfg.sync.timeout_s) for h in handles}
+        ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the teacher engines to start")
+    sync = TrainerWeightSync(
+        _WeightView(learner), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s, host=cfg.sync.bind_host,
+        inflight="keep", streams=cfg.sync.gloo_streams,
+    )  # fmt: skip
+    teachers = SnapshotTeachers(sync, cfg.distill.refresh_every, max_failures=cfg.rollout.max_engine_restarts + 1)
+    teachers.setup()
+    return teachers
+
+
+def named_handles(engines: list) -> list:
+    """(Rank 0) handles of the named engines that exist now (one being restarted is left out)."""
+    handles = []
+    for name, workers in engines:
+        with contextlib.suppress(ValueError):
+            handles.extend(engine_handles([(name, workers)], True))
+    return handles
 
 
 def _tell_other_ranks(err: BaseException) -> None:

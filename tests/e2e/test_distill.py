@@ -3,8 +3,13 @@ teacher engines, Ray buffer, the Megatron trainer on 2 gloo processes.
 
 - A few steps with the teacher equal to the student (must-show 2): every distillation advantage is at most 1e-4
   in absolute value while the rollout samples at temperature 0.7 with a top-k mask, so the trainer's untempered,
-  unmasked student logprobs are what the teacher's prompt logprobs are compared with. The same run checks the
-  rest of the path: teacher latency logged, the reward logged, exact accounting, no teacher failure.
+  unmasked student logprobs are what the teacher's prompt logprobs are compared with. The teacher is a snapshot
+  refreshed after every step (the same weights, as the student does not move), so the same run checks the
+  snapshot sync (teacher weight version = step) and the rest of the path: teacher latency, version and idle
+  fraction logged, the reward logged, exact accounting, no teacher failure. A fixed teacher (`hf`) at T 1.0 is slow.
+- Self-distillation mixed with the reward (slow, must-shows 4 and 5): an async run with staleness whose snapshot
+  teacher is refreshed every 3 steps and killed mid-run: the teacher's version follows the policy, the reverse KL
+  drops after each refresh, accounting is exact and no sample is lost.
 - The CPU demo (slow, must-show 3): a fresh student learns the quickstart task from the RL quickstart's exported
   policy without the reward: its reverse KL falls at least 5x and its reward reaches 90% of the teacher's within
   10 minutes.
@@ -13,8 +18,11 @@ teacher engines, Ray buffer, the Megatron trainer on 2 gloo processes.
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
+import ray
 
 from megatron_rl.config import load_config
 from megatron_rl.launcher import run_training
@@ -23,14 +31,17 @@ from megatron_rl.metrics.logger import read_metrics
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("temperature, top_k", [(0.7, 64), pytest.param(1.0, -1, marks=pytest.mark.slow)])
-def test_a_teacher_equal_to_the_student_gives_zero_distillation_advantages(tmp_path, temperature, top_k):
+@pytest.mark.parametrize(
+    "temperature, top_k, teacher", [(0.7, 64, "snapshot"), pytest.param(1.0, -1, "hf", marks=pytest.mark.slow)]
+)
+def test_a_teacher_equal_to_the_student_gives_zero_distillation_advantages(tmp_path, temperature, top_k, teacher):
     """The student's learning rate is 1e-12, far below what moves an fp32 weight, so the student stays the teacher
     through every step; use_reward=false makes each advantage the distillation term alone."""
     steps = 3
+    source = ["distill.refresh_every=1"] if teacher == "snapshot" else [f"distill.teacher_path={tmp_path}/tiny"]
     overrides = [
-        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", f"steps={steps}", "distill.teacher=hf",
-        f"distill.teacher_path={tmp_path}/tiny", "distill.use_reward=false", "distill.kl_coef=1.0",
+        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", f"steps={steps}", f"distill.teacher={teacher}",
+        *source, "distill.use_reward=false", "distill.kl_coef=1.0",
         f"rollout.temperature={temperature}", f"rollout.top_k={top_k}", "trainer.optimizer.lr=1e-12",
         "algorithm.ppo_minibatches=2", "checkpoint.export_final=false",
     ]  # fmt: skip
@@ -46,6 +57,13 @@ def test_a_teacher_equal_to_the_student_gives_zero_distillation_advantages(tmp_p
         assert 0 < r["distill/teacher_latency_s"] <= r["distill/teacher_latency_max_s"]
         assert 0 <= r["reward/mean"] <= 1 and math.isfinite(r["loss"]) and r["guard/skipped_updates"] == 0
         assert r["ppo/updates"] == 2
+        assert 0 <= r["distill/teacher_idle_frac"] <= 1 and r["distill/teachers_answering"] == 1
+        if teacher == "snapshot":  # refreshed after every step, before the step's record
+            assert r["distill/teacher_weights_version"] == r["distill/teacher_refreshes"] == r["step"]
+            assert r["step"] - 1 - cfg.buffer.max_staleness <= r["distill/teacher_version_min"]
+            assert r["distill/teacher_version_min"] <= r["distill/teacher_version"] <= r["step"] - 1
+        else:
+            assert r["distill/teacher_version"] == 0
     acc = summary["accounting"]
     assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
     assert acc["consumed"] == steps * cfg.prompts_per_step
@@ -75,3 +93,52 @@ def test_the_cpu_demo_distils_the_rl_quickstart_into_a_fresh_student(tmp_path):
     assert max(r["reward/mean"] for r in records) >= 0.9 * teacher_reward, (teacher_reward, rewards)
     acc = summary["accounting"]
     assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
+
+
+@pytest.mark.slow
+def test_self_distillation_mixed_with_the_reward_survives_a_killed_teacher(tmp_path):
+    """The RL quickstart plus a snapshot teacher refreshed every 3 steps (kl_coef 0.5 beside the task reward),
+    async with staleness up to 2; teacher-0 is killed (ray.kill) once step 4 is logged. The restart brings a refresh
+    forward, so the teacher's weight version is at least the last multiple of 3; the reverse KL right after each
+    due refresh is below the one before it; every prompt is counted once."""
+    steps, every = 12, 3
+    run_dir = tmp_path / "quickstart"
+    overrides = [
+        f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", f"steps={steps}", "distill.teacher=snapshot",
+        f"distill.refresh_every={every}", "distill.kl_coef=0.5", "buffer.max_staleness=2",
+        "checkpoint.export_final=false",
+    ]  # fmt: skip
+    cfg = load_config("configs/quickstart.yaml", overrides)
+    killed: list = []
+
+    def kill_teacher_after_step_4() -> None:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and not killed:
+            path = run_dir / "metrics.jsonl"
+            if path.exists() and len(read_metrics(path)) >= 4:
+                ray.kill(ray.get_actor("teacher-0"), no_restart=True)
+                killed.append(time.monotonic())
+            time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_teacher_after_step_4, daemon=True)
+    killer.start()
+    summary = run_training(cfg)
+    killer.join(timeout=5)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    versions = [r["distill/teacher_weights_version"] for r in records]
+    kl = [r["distill/reverse_kl"] for r in records]
+    print(f"teacher weights versions {versions}; scored by {[r['distill/teacher_version'] for r in records]}")
+    print(f"reverse KL {[round(k, 4) for k in kl]}; rewards {[round(r['reward/mean'], 3) for r in records]}")
+    print(f"teacher report {summary['teacher']}; driver {summary['driver']}")
+    assert killed and summary["teacher"]["restarts"] == {"teacher-0": 1} and summary["teacher"]["down"] == {}
+    for r in records:
+        assert every * (r["step"] // every) <= r["distill/teacher_weights_version"] <= r["step"]
+        assert r["distill/teacher_version"] <= r["step"] - 1 and math.isfinite(r["distill/reverse_kl"])
+    assert records[-1]["distill/teacher_refreshes"] >= steps // every + 1  # the due ones and the restart's
+    for refresh in range(every, steps - 1, every):  # step refresh + 2 is the first scored wholly after it
+        after = next((r for r in records[refresh:] if r["distill/teacher_version_min"] >= refresh), None)
+        assert after is not None and after["distill/reverse_kl"] < kl[refresh - 1], (refresh, kl)
+    acc = summary["accounting"]
+    assert acc["produced"] == acc["consumed"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
+    assert acc["consumed"] == steps * cfg.prompts_per_step
+    assert summary["driver"]["requeued"] >= summary["driver"]["teacher_failures"] >= 1

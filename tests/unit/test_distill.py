@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from megatron_rl.rollout.driver import GenerationError, TeacherError
 from megatron_rl.rollout.tasks import PromptStream
 from megatron_rl.rollout.teacher import (
     LATENCY_KEY,
+    VERSION_KEY,
     TeacherMismatchError,
     TeacherScorer,
     check_teacher,
@@ -86,6 +88,8 @@ def test_distill_config_defaults_and_a_complete_teacher():
     assert not load_config(QUICKSTART).distill.enabled
     cfg = _distill("distill.use_reward=false", "distill.kl_coef=0.5")
     assert cfg.distill.enabled and cfg.distill.kl_coef == 0.5 and not cfg.distill.use_reward
+    snapshot = load_config(QUICKSTART, ["distill.teacher=snapshot", "distill.refresh_every=3"]).distill
+    assert snapshot.enabled and snapshot.refresh_every == 3 and not snapshot.teacher_path
 
 
 @pytest.mark.parametrize(
@@ -93,7 +97,7 @@ def test_distill_config_defaults_and_a_complete_teacher():
     [
         (["distill.teacher=hf"], "distill.teacher=hf needs distill.teacher_path"),
         (["distill.teacher_path=/t"], "distill.teacher_path='/t' is set but distill.teacher=none"),
-        (["distill.teacher=snapshot"], "snapshot .* is not implemented yet"),
+        (["distill.teacher=snapshot", "distill.teacher_path=/t"], "snapshot copies the policy .* has no use"),
         (["distill.teacher=hf", "distill.teacher_path=/t", "distill.refresh_every=2"], "teacher=snapshot only"),
         (["distill.teacher=hf", "distill.teacher_path=/t", "distill.kl_coef=-1"], "kl_coef"),
         (["distill.teacher=hf", "distill.teacher_path=/t", "distill.teacher=hx"], "teacher"),
@@ -175,17 +179,26 @@ def test_response_logprobs_takes_the_response_tokens_and_refuses_bad_scores():
 
 
 class StandInTeacher(StandInEngine):
-    """Scores every token -0.5; raises `errors[prompt]` (once per entry) instead."""
+    """Scores every token -0.5 at weight version `version`; raises `errors[prompt]` (once per entry) instead."""
+
+    version = 0
 
     async def _score(self, sequences):
         pending = self.errors.get(sequences[0][1])
         if pending:
             raise pending.pop(0)
-        return [[-0.5] * (len(s) - 1) for s in sequences]
+        return {"version": self.version, "logprobs": [[-0.5] * (len(s) - 1) for s in sequences]}
 
     @property
-    def score(self):
+    def score_versioned(self):
         return _Remote(self._score)
+
+    @property
+    def weight_version(self):
+        return _Remote(self._weight_version)
+
+    async def _weight_version(self):
+        return self.version
 
 
 class _Remote:
@@ -248,4 +261,58 @@ def test_a_teacher_that_dies_past_its_restarts_stops_the_run():
         GenerationError,
         match=r"teacher-0 is down .*actor died.* after 0 restart\(s\) \(rollout.max_engine_restarts=0\)",
     ):
+        asyncio.run(_drive_until(driver, lambda: False))
+
+
+def test_a_restarted_snapshot_teacher_scores_again_only_once_refreshed_to_its_version():
+    """A snapshot teacher that scored at version 3 dies; its restart starts from the checkpoint (version 0) and is
+    used only once the trainer's refresh brought it to 3 or later, so no sample is scored by older weights."""
+    old = StandInTeacher({2: [RayActorError(error_msg="teacher killed")]})
+    old.version = 3
+    fresh = RefreshedLater()
+
+    def restart(name: str):
+        fresh.refreshed_at = time.monotonic() + 1.0  # the trainer's refresh, brought forward by the restart
+        return fresh
+
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    driver = _running_driver(buffer, CountingTask(), StandInEngine(), 1)
+    driver.teacher = TeacherScorer({"teacher-0": old}, restart, timeout_s=5.0, max_restarts=1, refresh_wait_s=10.0)
+    asyncio.run(_drive_until(driver, lambda: buffer.stats()["buffered"] >= 4))
+    groups = buffer.get_batch(4, 0, 1.0)
+    versions = {g.prompt_index: g.samples[0].metadata[VERSION_KEY] for g in groups}
+    assert versions.get(2) == 4 and set(versions.values()) <= {3, 4}, versions
+    assert fresh.polls >= 2 and fresh.scored_before_refresh == 0
+    assert driver.teacher.restarts == {"teacher-0": 1} and driver.teacher.versions == {"teacher-0": 4}
+    assert buffer.check_accounting()["dropped"] == 0 and driver.stats.teacher_failures == 1
+
+
+class RefreshedLater(StandInTeacher):
+    """A restarted snapshot teacher: version 0 until `refreshed_at`, then 4."""
+
+    refreshed_at = math.inf
+    polls = scored_before_refresh = 0
+
+    @property
+    def version(self):
+        return 4 if time.monotonic() >= self.refreshed_at else 0
+
+    async def _weight_version(self):
+        self.polls += 1
+        return self.version
+
+    async def _score(self, sequences):
+        self.scored_before_refresh += self.version == 0
+        return await super()._score(sequences)
+
+
+def test_a_restarted_teacher_the_trainer_never_refreshes_stops_the_run():
+    old = StandInTeacher({2: [RayActorError(error_msg="teacher killed")]})
+    old.version = 2
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    driver = _running_driver(buffer, CountingTask(), StandInEngine(), 1)
+    driver.teacher = TeacherScorer(
+        {"teacher-0": old}, lambda name: StandInTeacher(), timeout_s=5.0, max_restarts=1, refresh_wait_s=0.5
+    )
+    with pytest.raises(GenerationError, match="restarted at weight version 0, and the trainer did not bring it to"):
         asyncio.run(_drive_until(driver, lambda: False))
