@@ -132,11 +132,14 @@ class Distillation:
         teacher, mask = batch.teacher_logprobs, batch.loss_mask
         advantages = distill_advantages(batch.advantages, untempered, teacher, mask, self.kl_coef, self.use_reward)
         sums = reverse_kl_sums(untempered, teacher, mask)
-        total, largest = sums[:2].to(ctx.device).contiguous(), sums[2:].to(ctx.device).contiguous()
+        total, largest = sums[:3].to(ctx.device).contiguous(), sums[3:].to(ctx.device).contiguous()
         dist.all_reduce(total, group=ctx.dp_group)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ctx.dp_group)
-        kl, tokens = total.cpu().tolist()
-        stats = {"distill/reverse_kl": kl / max(tokens, 1.0), "distill/reverse_kl_abs_max": float(largest.item())}
+        kl, tokens, k3 = total.cpu().tolist()
+        stats = {
+            "distill/reverse_kl": kl / max(tokens, 1.0), "distill/k3_kl": k3 / max(tokens, 1.0),
+            "distill/reverse_kl_abs_max": float(largest.item()),
+        }  # fmt: skip
         return batch.replace(advantages=advantages.to(batch.advantages.dtype)), stats
 
 

@@ -68,12 +68,14 @@ def test_distill_advantages_are_detached_and_zero_when_student_is_teacher():
 
 def test_reverse_kl_sums():
     student, teacher = _logprobs(4), _logprobs(5)
-    total, tokens, largest = reverse_kl_sums(student, teacher, MASK).tolist()
-    diff = (student - teacher)[MASK]
+    total, tokens, k3, largest = reverse_kl_sums(student, teacher, MASK).tolist()
+    diff = (student - teacher)[MASK].double()
     assert tokens == int(MASK.sum())
     assert math.isclose(total, float(diff.sum()), rel_tol=1e-12)
+    assert math.isclose(k3, float((torch.exp(-diff) - 1 + diff).sum()), rel_tol=1e-9) and k3 > 0
     assert math.isclose(largest, float(diff.abs().max()), rel_tol=1e-12)
-    assert reverse_kl_sums(student, teacher, torch.zeros_like(MASK)).tolist() == [0.0, 0.0, 0.0]
+    assert reverse_kl_sums(student, teacher, torch.zeros_like(MASK)).tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert reverse_kl_sums(student, student, MASK)[2] == 0  # k3 of equal distributions
 
 
 # ---------------------------------------------------------------------------------------------------------------
