@@ -16,7 +16,7 @@ pair per expert, split over expert-tensor-parallel ranks the same way and held b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from megatron_rl.models.base import ModelArch, ModelFamily, ParamRule
 
@@ -112,6 +112,22 @@ def parameter_rules(table: dict[str, AdapterRules]) -> dict[str, ParamRule]:
         out[rules.a.mcore] = rules.a
         out[rules.b.mcore] = rules.b
     return out
+
+
+def hf_adapter_shapes(
+    table: dict[str, AdapterRules], rank: int, base_shape: Callable[[str], tuple[int, ...]]
+) -> dict[str, tuple[int, int]]:
+    """HF adapter name -> shape (the parameter map's order, A before B), from the base HF weights' shapes (`base_shape(name)`,
+    e.g. read from the checkpoint's headers): base [out, in] -> lora_A [rank, in], lora_B [out, rank]. What a sync
+    plan or an export lays out before any tensor is gathered."""
+    shapes = {}
+    for rules in table.values():
+        base = [tuple(base_shape(name)) for name in rules.base.hf]
+        for name, (_, fan_in) in zip(rules.a.hf, base, strict=True):
+            shapes[name] = (rank, fan_in)
+        for name, (fan_out, _) in zip(rules.b.hf, base, strict=True):
+            shapes[name] = (fan_out, rank)
+    return shapes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -280,7 +280,7 @@ def iter_adapter_tensors(model, arch: ModelArch, ctx: ParallelContext) -> Iterat
     `model.layers.0.self_attn.q_proj.lora_A.weight`: fused q/k/v and gate/up split into their HF modules (each with
     the shared A), experts by their global index. Every rank of the trainer must iterate (TP / ETP all-gathers);
     each tensor comes out of exactly one rank (TP rank 0 of DP rank 0; for experts ETP rank 0 of expert-DP rank 0
-    of the EP rank that holds it), in model order, A before B. The scale alpha / rank is not applied. A tensor no
+    of the EP rank that holds it), in the modules' order, A before B. The scale alpha / rank is not applied. A tensor no
     rank splits is the parameter itself (a view): copy it to keep it past the next update."""
     for adapter in lora_adapters(model).values():
         for param, rule in ((adapter.lora_A, adapter.rules.a), (adapter.lora_B, adapter.rules.b)):

@@ -59,6 +59,13 @@ def lora_runs(tmp_path_factory):
     (root / "resume").mkdir()
     resume = {**by_world[4][0], "name": "resume", "out": str(root / "resume"), "load_dir": str(root / "ckpt-1x1x1")}
     by_world[4].append(resume)
+    (root / "learner").mkdir()
+    run = {
+        "model": {"hf_path": hf, "dtype": "float32", "max_sequence_length": 64},
+        "trainer": {"parallel": {"tp": 2, "ep": 2}, "micro_batch_size": 2, "moe_aux_loss_coeff": 0.0},
+        "lora": LORA, "algorithm": ALGO, "rollout": {"max_new_tokens": 24},
+    }  # fmt: skip
+    by_world[2].append({"name": "learner", "run": run, "batch": str(root / "batch.pt"), "out": str(root / "learner")})
     for world, cases in sorted(by_world.items()):
         spec = root / f"spec{world}.json"
         spec.write_text(json.dumps({"cases": cases}))
@@ -72,6 +79,7 @@ def lora_runs(tmp_path_factory):
                 merged[when].update(tensors)
         runs[name] = (torch.load(root / name / "report.pt"), merged)
     runs["_hf"], runs["_tokens"], runs["_root"] = hf, tokens, root
+    runs["learner"] = torch.load(root / "learner" / "report.pt")
     return runs
 
 
@@ -122,11 +130,27 @@ def test_hf_names_and_shapes(lora_runs):
     assert tensors["model.layers.0.mlp.up_proj.lora_B.weight"].shape == (256, r)
     assert tensors["model.layers.1.mlp.experts.3.down_proj.lora_A.weight"].shape == (r, 64)
     assert tensors["model.layers.1.mlp.experts.3.gate_proj.lora_A.weight"].shape == (r, hidden)
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == _planned_shapes(lora_runs["_hf"], r)
     q, k = (tensors[f"model.layers.1.self_attn.{p}_proj.lora_A.weight"] for p in "qk")
     assert torch.equal(q, k)  # the fused q/k/v shares one A
     per_layer = 2 * 3 + 2 + (2 * 2 + 2) * 1 + 0  # q,k,v A/B; o; gate, up, down (dense layer 0)
     assert sum(".layers.0." in n for n in tensors) == per_layer
     assert sum(".layers.1.mlp.experts." in n for n in tensors) == 4 * (2 * 2 + 2)
+
+
+def _planned_shapes(hf: str, rank: int) -> dict:
+    """`models.lora.hf_adapter_shapes` from the checkpoint's headers (no tensor read)."""
+    from safetensors import safe_open
+
+    from megatron_rl.config.lora import LORA_TARGETS
+    from megatron_rl.models import family_for_hf_config, read_hf_config
+    from megatron_rl.models.lora import adapter_rule_table, hf_adapter_shapes
+
+    config = read_hf_config(hf)
+    family = family_for_hf_config(config)
+    table = adapter_rule_table(family, family.arch_from_hf(config), LORA_TARGETS)
+    with safe_open(str(Path(hf) / "model.safetensors"), "pt") as f:
+        return hf_adapter_shapes(table, rank, lambda name: tuple(f.get_slice(name).get_shape()))
 
 
 def test_merged_hf_adapters_give_the_trainers_logprobs(lora_runs, tmp_path):
@@ -163,3 +187,13 @@ def test_a_run_checkpoint_with_adapters_loads_at_another_layout(lora_runs):
     for key, tensor in ref_adapters["after"].items():
         assert _max_diff(adapters["before"][key], tensor) <= 1e-6, key
     assert got["base_change"] == 0.0 and got["adapter_change"] > 1e-4
+
+
+def test_the_learner_trains_adapters_only_with_lora_on(lora_runs):
+    """`Learner(cfg)` with `lora.rank` 8 at TP2 x EP2: adapters only trainable and changed, the KL reference the
+    base with the adapters off (no second model)."""
+    report = lora_runs["learner"]
+    assert report["reference"] == "AdaptersOff"
+    assert report["trainable"] and all("_lora.lora_" in n for n in report["trainable"])
+    assert report["base_change"] == 0.0 and report["adapter_change"] > 1e-7
+    assert report["stats"]["guard/skipped"] == 0.0

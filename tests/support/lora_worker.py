@@ -11,8 +11,10 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
     out           folder: `report.pt` from the stats owner (logprobs, stats), `adapters-<rank>.pt` from every rank
                   (the HF-named full adapter tensors it owns, before and after the update)
     save_dir      (optional) save model and optimizer after the update
-    load_dir      (optional) instead of initialising and updating: load model and optimizer from there and report
-                  the logprobs (`after`) and adapters (`after`) as loaded, then take the update (`resumed`)
+    load_dir      (optional) load model and optimizer from there after building them (`loaded`: the logprobs)
+
+A case with `run` (RunConfig fields) instead builds the run's `Learner` (LoRA as the run config says) and takes
+one `Learner.step` on `batch`; its report: the trainable names, the reference's type, what changed, the stats.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import AlgorithmConfig, LoraConfig, OptimizerConfig
+from megatron_rl.config import AlgorithmConfig, LoraConfig, OptimizerConfig, RunConfig
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.trainer.batch import TrainBatch, replica_share
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from megatron_rl.trainer.learner import train_batch
+from megatron_rl.trainer.learner import Learner, train_batch
 from megatron_rl.trainer.lora import AdaptersOff, add_lora, init_adapter_weights, iter_adapter_tensors
 from megatron_rl.trainer.model import BuildOptions
 from megatron_rl.trainer.optimizer import build_training, unwrap_model
@@ -49,8 +51,26 @@ def _max_change(before: dict, model) -> tuple[float, float]:
     return float(both[0]), float(both[1])
 
 
+def run_learner(case: dict) -> None:
+    """The run's Learner with LoRA on: one step, what it trains and changes."""
+    learn = Learner(RunConfig(**case["run"]))
+    ctx, model = learn.rank.ctx, learn.rank.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = TrainBatch(**torch.load(case["batch"], weights_only=True))
+    algo = learn.cfg.algorithm
+    stats = learn.step(replica_share(batch, ctx.dp_rank, ctx.layout.data_parallel, algo.ppo_minibatches), 0)
+    report = {"stats": stats, "reference": type(learn.reference).__name__}
+    report["trainable"] = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    report["base_change"], report["adapter_change"] = _max_change(before, learn.state.model)
+    if ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
+        torch.save(report, Path(case["out"]) / "report.pt")
+
+
 def run_case(case: dict) -> None:
     """Bring the rank up, add adapters, record logprobs and adapters, take one update, record again."""
+    if "run" in case:
+        run_learner(case)
+        return
     rank = bring_up_from_hf(case["hf"], ParallelLayout(**case["layout"]), BuildOptions(init_weights=False))
     ctx, arch, out = rank.ctx, rank.arch, Path(case["out"])
     tokens = torch.load(case["eval_tokens"], weights_only=True)
