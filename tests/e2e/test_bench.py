@@ -84,3 +84,18 @@ def test_routing_mismatch_bench_reports_bf16_mismatch_with_and_without_replay():
     assert bf16["k3_ratio_without_over_with"] == pytest.approx(
         bf16["k3_kl_without_replay"] / bf16["k3_kl_with_replay"], rel=1e-6
     )
+
+
+@pytest.mark.slow
+def test_distill_bench_reports_async_and_sync_tokens_per_s():
+    """Issue 16's must-show 6 at its smallest (two 5-step distillation runs, about 4 min): one JSON object with
+    each mode's trained tokens/s and their ratio."""
+    result = run_bench("distill_async.py", "--steps", "5")
+    assert set(result) >= {"sync", "async", "trained_tokens_per_s_ratio"} and result["steady_from_step"] == 4
+    for mode in ("sync", "async"):
+        figures = result[mode]
+        assert figures["trained_tokens_per_s"] > 0 and 0 <= figures["teacher_idle_frac"] <= 1
+        assert figures["reverse_kl_first"] > 0.1  # a teacher of other weights: a real KL to learn from
+    assert result["sync"]["mean_staleness"] == 0
+    ratio = result["async"]["trained_tokens_per_s"] / result["sync"]["trained_tokens_per_s"]
+    assert result["trained_tokens_per_s_ratio"] == pytest.approx(ratio, rel=1e-2)
