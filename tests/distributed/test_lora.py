@@ -34,6 +34,24 @@ LAYOUTS = {
     "pp2": (2, {"pp": 2}),
     "tp2xep2xdp2": (4, {"tp": 2, "ep": 2, "dp": 2}),
 }
+"""The tiny Qwen3-MoE's layouts (name -> world size, layout)."""
+FAMILIES = {
+    "ds": ("deepseek_v3", {"1x1x1": (1, {}), "ep2": (2, {"ep": 2}), "tp2xep2": (2, {"tp": 2, "ep": 2})}),
+    "dense": ("qwen3", {"1x1x1": (1, {}), "tp2": (2, {"tp": 2})}),
+    "mixtral": ("mixtral", {"1x1x1": (1, {})}),
+}
+"""The other families (prefix -> family, its layouts): MLA's output projection and shared experts (DeepSeek-V3), a
+dense model with tied embeddings (Qwen3), Mixtral's expert names."""
+BASE_TRAINS_WRONG = {
+    "ds-tp2xep2": "DeepSeek-V3 at TP2 trains wrong without LoRA too (tests.support.train_step_worker, tiny model,"
+    " one decoupled-PPO step: grad norm 9.208 at TP2 and at TP2 x EP2 against 9.553 on one rank, 9.553 at EP2;"
+    " logprobs after the step 1.59 apart): the gradient through its TP2 layers, not the adapters; forward checked"
+}
+"""Layouts whose forward matches one rank but whose base model's backward does not (the update is not compared)."""
+SHARDED = [("1x1x1", name) for name in LAYOUTS if name != "1x1x1"] + [
+    (f"{prefix}-1x1x1", f"{prefix}-{name}") for prefix, (_, layouts) in FAMILIES.items() for name in layouts
+    if name != "1x1x1"
+]  # fmt: skip
 TINY = {"num_experts": 4, "mlp_only_layers": [0]}
 
 
@@ -47,11 +65,15 @@ def lora_runs(tmp_path_factory):
     torch.save(make_batch(hf, seed=0), root / "batch.pt")
     tokens = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(9))
     torch.save(tokens, root / "tokens.pt")
+    checkpoints = {name: (hf, world, layout) for name, (world, layout) in LAYOUTS.items()}
+    for prefix, (family, layouts) in FAMILIES.items():
+        path = str(make_tiny(family, root / family, seed=0))
+        checkpoints |= {f"{prefix}-{name}": (path, world, layout) for name, (world, layout) in layouts.items()}
     by_world: dict[int, list[dict]] = {}
-    for name, (world, layout) in LAYOUTS.items():
+    for name, (path, world, layout) in checkpoints.items():
         (root / name).mkdir()
         by_world.setdefault(world, []).append({
-            "name": name, "hf": hf, "layout": layout, "lora": LORA, "seed": 3, "b_std": 0.05, "algo": ALGO,
+            "name": name, "hf": path, "layout": layout, "lora": LORA, "seed": 3, "b_std": 0.05, "algo": ALGO,
             "optimizer": {"lr": 1e-3, "clip_grad": 1.0}, "batch": str(root / "batch.pt"),
             "eval_tokens": str(root / "tokens.pt"), "out": str(root / name),
         })  # fmt: skip
@@ -71,14 +93,14 @@ def lora_runs(tmp_path_factory):
         spec.write_text(json.dumps({"cases": cases}))
         run_torchrun(WORKER, [str(spec)], world, timeout_s=240 * len(cases), log_path=root / f"log{world}.txt")
     runs = {}
-    for name in [*LAYOUTS, "resume"]:
+    for name in [*checkpoints, "resume"]:
         merged: dict[str, dict] = {"before": {}, "after": {}}
         for path in sorted((root / name).glob("adapters-*.pt")):
             for when, tensors in torch.load(path).items():
                 assert not set(tensors) & set(merged[when]), f"{name}: a tensor came out of two ranks"
                 merged[when].update(tensors)
         runs[name] = (torch.load(root / name / "report.pt"), merged)
-    runs["_hf"], runs["_tokens"], runs["_root"] = hf, tokens, root
+    runs["_hf"], runs["_tokens"], runs["_root"] = {n: c[0] for n, c in checkpoints.items()}, tokens, root
     runs["learner"] = torch.load(root / "learner" / "report.pt")
     return runs
 
@@ -88,7 +110,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_only_adapters_train_and_the_base_stays(lora_runs):
-    for name in LAYOUTS:
+    for name in lora_runs["_hf"]:
         report, _ = lora_runs[name]
         assert report["trainable"] and all("_lora.lora_" in n for n in report["trainable"]), name
         assert report["in_ddp_buffers"] == report["trainable"], name  # DDP (and so the optimizer) holds adapters only
@@ -97,18 +119,22 @@ def test_only_adapters_train_and_the_base_stays(lora_runs):
 
 
 def test_adapters_change_the_output_and_switch_off_to_the_base(lora_runs):
-    for name in LAYOUTS:
+    for name in lora_runs["_hf"]:
         report, _ = lora_runs[name]
         assert _max_diff(report["off"], report["base"]) <= 1e-6, name
         assert _max_diff(report["lora"], report["base"]) > 1e-2, name
 
 
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "1x1x1"])
-def test_sharded_lora_matches_one_rank(lora_runs, layout):
-    ref, ref_adapters = lora_runs["1x1x1"]
+@pytest.mark.parametrize("one, layout", SHARDED)
+def test_sharded_lora_matches_one_rank(lora_runs, one, layout):
+    ref, ref_adapters = lora_runs[one]
     got, adapters = lora_runs[layout]
     assert _max_diff(got["lora"], ref["lora"]) <= LOGPROB_TOL
     assert _max_diff(got["off"], ref["off"]) <= LOGPROB_TOL
+    assert adapters["before"].keys() == ref_adapters["before"].keys()
+    assert all(torch.equal(adapters["before"][k], t) for k, t in ref_adapters["before"].items())
+    if layout in BASE_TRAINS_WRONG:
+        pytest.xfail(BASE_TRAINS_WRONG[layout])
     assert got["stats"]["loss"] == pytest.approx(ref["stats"]["loss"], abs=1e-5)
     assert got["stats"]["grad_norm"] == pytest.approx(ref["stats"]["grad_norm"], rel=1e-4)
     assert _max_diff(got["after"], ref["after"]) <= AFTER_TOL
@@ -130,7 +156,7 @@ def test_hf_names_and_shapes(lora_runs):
     assert tensors["model.layers.0.mlp.up_proj.lora_B.weight"].shape == (256, r)
     assert tensors["model.layers.1.mlp.experts.3.down_proj.lora_A.weight"].shape == (r, 64)
     assert tensors["model.layers.1.mlp.experts.3.gate_proj.lora_A.weight"].shape == (r, hidden)
-    assert {n: tuple(t.shape) for n, t in tensors.items()} == _planned_shapes(lora_runs["_hf"], r)
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == _planned_shapes(lora_runs["_hf"]["1x1x1"], r)
     q, k = (tensors[f"model.layers.1.self_attn.{p}_proj.lora_A.weight"] for p in "qk")
     assert torch.equal(q, k)  # the fused q/k/v shares one A
     per_layer = 2 * 3 + 2 + (2 * 2 + 2) * 1 + 0  # q,k,v A/B; o; gate, up, down (dense layer 0)
@@ -153,14 +179,15 @@ def _planned_shapes(hf: str, rank: int) -> dict:
         return hf_adapter_shapes(table, rank, lambda name: tuple(f.get_slice(name).get_shape()))
 
 
-def test_merged_hf_adapters_give_the_trainers_logprobs(lora_runs, tmp_path):
+@pytest.mark.parametrize("name", ["1x1x1", *(f"{prefix}-1x1x1" for prefix in FAMILIES)])
+def test_merged_hf_adapters_give_the_trainers_logprobs(lora_runs, tmp_path, name):
     """W + (alpha / r) B A on the HF checkpoint, by the HF names, through transformers = the adapted trainer."""
     from safetensors.torch import load_file, save_file
 
     from megatron_rl.verify.parity import hf_logprobs
 
-    hf, root = Path(lora_runs["_hf"]), lora_runs["_root"]
-    report, adapters = lora_runs["1x1x1"]
+    hf = Path(lora_runs["_hf"][name])
+    report, adapters = lora_runs[name]
     weights = load_file(str(hf / "model.safetensors"))
     scale = LORA["alpha"] / LORA["rank"]
     tensors = adapters["before"]
@@ -174,7 +201,6 @@ def test_merged_hf_adapters_give_the_trainers_logprobs(lora_runs, tmp_path):
     want = hf_logprobs(merged, lora_runs["_tokens"])
     assert _max_diff(want, report["lora"]) <= LOGPROB_TOL
     assert _max_diff(hf_logprobs(hf, lora_runs["_tokens"]), report["base"]) <= LOGPROB_TOL
-    assert root.exists()
 
 
 def test_a_run_checkpoint_with_adapters_loads_at_another_layout(lora_runs):
