@@ -10,7 +10,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.models import CheckpointError, family_for_hf_config, get_family
 from megatron_rl.parallel.layout import LayoutError, ParallelLayout, check_layout_fits_model, layout_from_config
 from megatron_rl.planner.common import PlanError
-from megatron_rl.planner.engines import EnginePlan, plan_engines
+from megatron_rl.planner.engines import EnginePlan, EngineShape, plan_engines
 from megatron_rl.planner.lora import plan_lora
 from megatron_rl.planner.params import model_size
 from megatron_rl.planner.report import Plan, gb, stage_gb
@@ -59,20 +59,22 @@ def _read_json(path: Path) -> dict:
 
 def check_cluster(cfg: RunConfig, layout: ParallelLayout) -> tuple[int, int]:
     """Trainer and engine GPU counts; PlanError when they do not match the declared nodes."""
-    c, r = cfg.cluster, cfg.rollout
+    c, r, d = cfg.cluster, cfg.rollout, cfg.distill
     engine_gpus = r.num_engines * r.engine_tp * r.engine_dp
+    teacher_gpus = d.num_engines * d.engine_tp if d.enabled else 0
+    teachers = f" + the teachers' {teacher_gpus}" if teacher_gpus else ""
     if (c.trainer_nodes is None) != (c.inference_nodes is None):
         raise PlanError(
             f"cluster.trainer_nodes={c.trainer_nodes}, cluster.inference_nodes={c.inference_nodes}: set both"
             " (a multi-node run) or neither (trainer and engines share one node)"
         )
     if c.trainer_nodes is None:
-        if layout.world_size + engine_gpus > c.gpus_per_node:
+        if layout.world_size + engine_gpus + teacher_gpus > c.gpus_per_node:
             raise PlanError(
                 f"cluster.trainer_nodes is empty (one shared node), but the trainer's {layout.world_size} GPUs plus"
-                f" the engines' {engine_gpus} exceed cluster.gpus_per_node={c.gpus_per_node}"
+                f" the engines' {engine_gpus}{teachers} exceed cluster.gpus_per_node={c.gpus_per_node}"
             )
-        return layout.world_size, engine_gpus
+        return layout.world_size, engine_gpus + teacher_gpus
     trainer_gpus = c.trainer_nodes * c.gpus_per_node
     if layout.world_size != trainer_gpus:
         raise PlanError(
@@ -81,11 +83,16 @@ def check_cluster(cfg: RunConfig, layout: ParallelLayout) -> tuple[int, int]:
             f" {layout.world_size} ({layout.describe()})"
         )
     inference_gpus = c.inference_nodes * c.gpus_per_node
-    if engine_gpus != inference_gpus:
+    if engine_gpus + teacher_gpus != inference_gpus:
         raise PlanError(
             f"cluster.inference_nodes={c.inference_nodes} x gpus_per_node={c.gpus_per_node} = {inference_gpus} GPUs,"
             f" but rollout.num_engines*engine_tp*engine_dp = {r.num_engines}*{r.engine_tp}*{r.engine_dp} ="
             f" {engine_gpus}"
+            + (
+                f" plus distill.num_engines*engine_tp = {d.num_engines}*{d.engine_tp} = {teacher_gpus}"
+                if teachers
+                else ""
+            )
         )
     return trainer_gpus, inference_gpus
 
@@ -103,11 +110,41 @@ def _check_fits(cfg: RunConfig, trainer: TrainerPlan, engines: EnginePlan) -> No
     if engines.max_sequences < 1:
         raise PlanError(
             f"rollout.engine_tp={cfg.rollout.engine_tp}, engine_dp={cfg.rollout.engine_dp}, engine_ep="
-            f"{cfg.rollout.engine_ep}, gpu_memory_utilization={cfg.rollout.gpu_memory_utilization}: weights"
-            f" {gb(engines.weight_bytes)} GB + overhead {gb(engines.overhead_bytes)} GB per GPU leave"
-            f" {gb(engines.kv_cache_bytes)} GB of the {gb(engines.budget_bytes)} GB budget for the KV cache, not"
-            f" enough for one sequence of model.max_sequence_length={cfg.model.max_sequence_length}"
+            f"{cfg.rollout.engine_ep}, gpu_memory_utilization={cfg.rollout.gpu_memory_utilization}: "
+            + _kv_shortfall(cfg, engines)
         )
+
+
+def _kv_shortfall(cfg: RunConfig, engines: EnginePlan) -> str:
+    return (
+        f"weights {gb(engines.weight_bytes)} GB + overhead {gb(engines.overhead_bytes)} GB per GPU leave"
+        f" {gb(engines.kv_cache_bytes)} GB of the {gb(engines.budget_bytes)} GB budget for the KV cache, not"
+        f" enough for one sequence of model.max_sequence_length={cfg.model.max_sequence_length}"
+    )
+
+
+def plan_teachers(cfg: RunConfig, student_arch) -> tuple[EnginePlan | None, str]:
+    """The teacher engines' per-GPU memory (on-policy distillation) and where their shape came from; (None, "")
+    without a teacher. A snapshot teacher has the policy's shape; a fixed one the shape in `distill.teacher_path`'s
+    config.json, or the policy's while that folder holds none yet (a teacher an earlier run will export)."""
+    d = cfg.distill
+    if not d.enabled:
+        return None, ""
+    arch, source = student_arch, "the policy's shape"
+    path = Path(d.teacher_path) / "config.json"
+    if d.teacher == "hf" and not path.is_file():
+        source = f"the policy's shape ({path} does not exist yet)"
+    elif d.teacher == "hf":
+        hf_config = _read_json(path)
+        try:
+            arch = family_for_hf_config(hf_config).arch_from_hf(hf_config, str(path))
+        except (CheckpointError, ValueError) as err:
+            raise PlanError(f"teacher ({path}): {err}") from None
+        source = str(path)
+    teachers = plan_engines(cfg, arch, EngineShape.teachers(cfg))
+    if teachers.max_sequences < 1:
+        raise PlanError(f"distill.engine_tp={d.engine_tp}: the teacher's " + _kv_shortfall(cfg, teachers))
+    return teachers, source
 
 
 def plan(cfg: RunConfig, hf_config: dict | None = None, model_source: str = "") -> Plan:
@@ -128,11 +165,13 @@ def plan(cfg: RunConfig, hf_config: dict | None = None, model_source: str = "") 
     trainer = plan_trainer(cfg, arch, hf_config, layout)
     engines = plan_engines(cfg, arch)
     _check_fits(cfg, trainer, engines)
+    teachers, teacher_source = plan_teachers(cfg, arch)
     size = model_size(arch, hf_config)
     lora = plan_lora(cfg, arch, layout, _stage_ranges(trainer.stage_layers), size.total) if cfg.lora.enabled else None
     return Plan(
         name=cfg.name, family=family.name, model_source=model_source, size=size, gpu=cfg.cluster.gpu,
         trainer_gpus=trainer_gpus, inference_gpus=inference_gpus, trainer=trainer, engines=engines, lora=lora,
+        teachers=teachers, teacher_source=teacher_source,
     )  # fmt: skip
 
 

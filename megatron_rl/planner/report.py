@@ -35,43 +35,62 @@ class Plan:
     """Engine memory."""
     lora: LoraPlan | None = None
     """The adapters (with `lora.rank` > 0)."""
+    teachers: EnginePlan | None = None
+    """The teacher engines (on-policy distillation); their GPUs are in `inference_gpus`."""
+    teacher_source: str = ""
+    """Where the teacher's shape came from (a config.json path, or the policy's)."""
 
     def to_dict(self) -> dict:
         """A JSON-ready summary in GB (10^9 bytes) and billions of parameters."""
         worst = self.trainer.worst
         lora = {} if self.lora is None else {"lora": lora_dict(self.lora)}
-        return {
-            "name": self.name,
-            "family": self.family,
-            "model_source": self.model_source,
-            "params_b": {"total": _b(self.size.total), "active": _b(self.size.active), "expert": _b(self.size.expert)},
-            "gpu": self.gpu,
-            "gpu_memory_gb": gb(self.trainer.gpu_memory_bytes),
-            "trainer": {
-                "gpus": self.trainer_gpus,
-                "layout": self.trainer.layout,
-                "stage_layers": self.trainer.stage_layers,
-                "microbatches": self.trainer.microbatches,
-                "tokens_per_microbatch": self.trainer.tokens_per_microbatch,
-                "worst_stage": worst.stage,
-                "per_gpu_gb": stage_gb(worst),
-                "stages_total_gb": [gb(s.total_bytes) for s in self.trainer.stages],
-            },
-            "inference": {
-                "gpus": self.inference_gpus,
-                "engines": self.engines.num_engines,
-                "gpus_per_engine": self.engines.gpus_per_engine,
-                "per_gpu_gb": {
-                    "weights": gb(self.engines.weight_bytes),
-                    "overhead": gb(self.engines.overhead_bytes),
-                    "kv_cache": gb(self.engines.kv_cache_bytes),
-                    "budget": gb(self.engines.budget_bytes),
+        teachers = {}
+        if self.teachers is not None:
+            teachers = {"teachers": engines_dict(self.teachers) | {"shape_from": self.teacher_source}}
+        return (
+            {
+                "name": self.name,
+                "family": self.family,
+                "model_source": self.model_source,
+                "params_b": {
+                    "total": _b(self.size.total),
+                    "active": _b(self.size.active),
+                    "expert": _b(self.size.expert),
                 },
-                "kv_bytes_per_token": self.engines.kv_bytes_per_token,
-                "kv_cache_tokens_per_replica": self.engines.kv_cache_tokens,
-                "max_sequences_per_replica": self.engines.max_sequences,
-            },
-        } | lora
+                "gpu": self.gpu,
+                "gpu_memory_gb": gb(self.trainer.gpu_memory_bytes),
+                "trainer": {
+                    "gpus": self.trainer_gpus,
+                    "layout": self.trainer.layout,
+                    "stage_layers": self.trainer.stage_layers,
+                    "microbatches": self.trainer.microbatches,
+                    "tokens_per_microbatch": self.trainer.tokens_per_microbatch,
+                    "worst_stage": worst.stage,
+                    "per_gpu_gb": stage_gb(worst),
+                    "stages_total_gb": [gb(s.total_bytes) for s in self.trainer.stages],
+                },
+                "inference": {"gpus": self.inference_gpus, **engines_dict(self.engines)},
+            }
+            | lora
+            | teachers
+        )
+
+
+def engines_dict(e: EnginePlan) -> dict:
+    """One engine pool's part of a plan, per GPU in GB."""
+    return {
+        "engines": e.num_engines,
+        "gpus_per_engine": e.gpus_per_engine,
+        "per_gpu_gb": {
+            "weights": gb(e.weight_bytes),
+            "overhead": gb(e.overhead_bytes),
+            "kv_cache": gb(e.kv_cache_bytes),
+            "budget": gb(e.budget_bytes),
+        },
+        "kv_bytes_per_token": e.kv_bytes_per_token,
+        "kv_cache_tokens_per_replica": e.kv_cache_tokens,
+        "max_sequences_per_replica": e.max_sequences,
+    }
 
 
 def lora_dict(p: LoraPlan) -> dict:
@@ -134,16 +153,26 @@ def format_plan(p: Plan) -> str:
             f"  {s.stage:>5} {g['params']:>8} {g['grads']:>8} {g['optimizer']:>8} {g['activations']:>8}"
             f" {g['overhead']:>8} {g['total']:>8}"
         )
-    e = inf["per_gpu_gb"]
-    lines += [
-        f"engines   {inf['gpus']} GPUs  {inf['engines']} x {inf['gpus_per_engine']} GPUs",
-        f"  weights {e['weights']} GB + overhead {e['overhead']} GB of a {e['budget']} GB budget -> KV cache"
-        f" {e['kv_cache']} GB = {inf['kv_cache_tokens_per_replica']} tokens per replica"
-        f" ({inf['kv_bytes_per_token']} B/token), {inf['max_sequences_per_replica']} full-length sequences",
-    ]
+    pools = [("engines", inf)] + ([("teachers", d["teachers"])] if "teachers" in d else [])
+    for name, pool in pools:
+        gpus = pool["engines"] * pool["gpus_per_engine"]
+        shape = f"  ({pool['shape_from']})" if "shape_from" in pool else ""
+        lines += [
+            f"{name:<9} {gpus} GPUs  {pool['engines']} x {pool['gpus_per_engine']} GPUs{shape}",
+            _memory_line(pool),
+        ]
     if p.lora is not None:
         lines += lora_lines(p.lora)
     return "\n".join(lines)
+
+
+def _memory_line(pool: dict) -> str:
+    e = pool["per_gpu_gb"]
+    return (
+        f"  weights {e['weights']} GB + overhead {e['overhead']} GB of a {e['budget']} GB budget -> KV cache"
+        f" {e['kv_cache']} GB = {pool['kv_cache_tokens_per_replica']} tokens per replica"
+        f" ({pool['kv_bytes_per_token']} B/token), {pool['max_sequences_per_replica']} full-length sequences"
+    )
 
 
 def lora_lines(p: LoraPlan) -> list[str]:

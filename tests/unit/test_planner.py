@@ -131,6 +131,40 @@ def test_qwen3_30b_a3b_by_hand():
     assert ep.engines.sync_bytes_per_gpu_broadcast == result.engines.sync_bytes_per_gpu
 
 
+def test_teacher_engines_are_planned_and_counted_in_the_inference_gpus(tmp_path):
+    """On-policy distillation: a snapshot teacher at TP4 (the policy's shape) and a fixed fp32 teacher of another
+    size at TP1, each beside 6 student engines at TP2 on the 16 inference GPUs; by hand from the counts above."""
+    base = ["rollout.num_engines=6", "distill.teacher=snapshot", "distill.num_engines=1", "distill.engine_tp=4"]
+    result = plan(load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml", base))
+    tp_part, replicated, expert = 1_528_299_520, 12_793_856, 28_991_029_248
+    t = result.teachers
+    assert result.inference_gpus == 16 and (t.num_engines, t.gpus_per_engine) == (1, 4)
+    assert t.weight_bytes == 2 * (tp_part // 4 + replicated + expert // 4)  # bf16, experts split by width
+    assert t.kv_bytes_per_token == 2 * (4 // 4) * 128 * 48 * 2  # one kv head per GPU
+    assert t.overhead_bytes == result.engines.overhead_bytes  # synced: the same receive buffers
+    assert t.sync_bytes_per_gpu == 2 * (tp_part + replicated + expert)
+    assert result.to_dict()["teachers"]["per_gpu_gb"]["weights"] == round(t.weight_bytes / GB, 2)
+    small = dict(json.loads((ROOT / "configs" / "models" / "qwen3_30b_a3b.json").read_text()), num_hidden_layers=24)
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    fixed = [*base[:1], "distill.teacher=hf", f"distill.teacher_path={tmp_path}", "distill.teacher_dtype=float32",
+             "distill.num_engines=4", "distill.engine_tp=1"]  # fmt: skip
+    t = plan(load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml", fixed)).teachers
+    assert t.weight_bytes == 4 * (tp_part - 24 * 18_874_368 + replicated // 2 + 1024 + expert // 2)
+    assert t.overhead_bytes == 4 * GB and t.sync_bytes_per_gpu == 0  # never synced: no receive buffers
+    with pytest.raises(PlanError, match=r"plus distill.num_engines\*engine_tp = 1\*4 = 4"):
+        plan(load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml", base[1:]))
+    elsewhere = [*fixed, "distill.teacher_path=/nowhere", "distill.num_engines=1", "distill.engine_tp=4"]
+    later = plan(load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml", elsewhere))
+    assert later.teacher_source == "the policy's shape (/nowhere/config.json does not exist yet)"
+    assert later.teachers.weight_bytes == 4 * (tp_part // 4 + replicated + expert // 4)  # the policy's, fp32
+    with pytest.raises(PlanError, match="distill.engine_tp=1: the teacher's weights 122.13 GB"):  # 30B in fp32
+        plan(
+            load_config(
+                ROOT / "configs" / "qwen3_30b_a3b.yaml", [*elsewhere, "distill.num_engines=4", "distill.engine_tp=1"]
+            )
+        )
+
+
 def test_mla_kv_cache_is_the_latent():
     arch, _ = _arch("deepseek_v3")
     assert kv_bytes_per_token(arch, engine_tp=8, dtype_bytes=2) == (512 + 64) * 61 * 2
