@@ -259,6 +259,19 @@ class AdaptersOff(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
+def adapted_weights(model) -> dict[str, LoraAdapter]:
+    """{local name of a base weight (`decoder.layers.0.self_attention.linear_qkv.weight`): its adapter}."""
+    return {name.removesuffix(ADAPTER_SUFFIX) + ".weight": a for name, a in lora_adapters(model).items()}
+
+
+@torch.no_grad()
+def merged_weight(adapter: LoraAdapter, weight: Tensor) -> Tensor:
+    """This rank's shard of `W0 + scale * B A` in the base weight's layout and dtype (a new tensor; `weight` is
+    the base linear's local weight): no communication, since B's and A's shards line up with W0's."""
+    delta = adapter.lora_B.float() @ adapter.lora_A.float()
+    return (weight.float() + adapter.scale * delta).to(weight.dtype)
+
+
 def _is_owner(rule: ParamRule, ctx: ParallelContext) -> bool:
     """Whether this rank yields the full tensor (as `weights/gather.py` picks the owners)."""
     if rule.is_expert:

@@ -29,7 +29,15 @@ from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.trainer.batch import TrainBatch, replica_share
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.learner import Learner, train_batch
-from megatron_rl.trainer.lora import AdaptersOff, add_lora, init_adapter_weights, iter_adapter_tensors
+from megatron_rl.trainer.lora import (
+    AdaptersOff,
+    adapted_weights,
+    adapters_disabled,
+    add_lora,
+    init_adapter_weights,
+    iter_adapter_tensors,
+    merged_weight,
+)
 from megatron_rl.trainer.model import BuildOptions
 from megatron_rl.trainer.optimizer import build_training, unwrap_model
 from megatron_rl.trainer.setup import bring_up_from_hf
@@ -101,8 +109,19 @@ def run_case(case: dict) -> None:
         meta = {"family": rank.family.name, "dtype": "float32", "layout": ctx.layout.describe()}
         save_checkpoint(state.model, ctx, case["save_dir"], meta, hf_dir=case["hf"], optimizer=state.optimizer)
     torch.save(adapters, out / f"adapters-{ctx.rank}.pt")
+    report["merged"] = _merged_logprobs(rank.model, ctx, tokens)
     if ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
         torch.save({k: v.cpu() if torch.is_tensor(v) else v for k, v in report.items()}, out / "report.pt")
+
+
+def _merged_logprobs(model, ctx, tokens):
+    """(Destroys the model) logprobs of the base weights overwritten by each shard's W0 + scale B A, adapters off."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, adapter in adapted_weights(model).items():
+            params[name].copy_(merged_weight(adapter, params[name]))
+    with adapters_disabled(model):
+        return compute_logprobs(model, ctx, tokens, 2)
 
 
 if __name__ == "__main__":
