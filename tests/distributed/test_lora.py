@@ -43,9 +43,11 @@ FAMILIES = {
 """The other families (prefix -> family, its layouts): MLA's output projection and shared experts (DeepSeek-V3), a
 dense model with tied embeddings (Qwen3), Mixtral's expert names."""
 BASE_TRAINS_WRONG = {
-    "ds-tp2xep2": "DeepSeek-V3 at TP2 trains wrong without LoRA too (tests.support.train_step_worker, tiny model,"
-    " one decoupled-PPO step: grad norm 9.208 at TP2 and at TP2 x EP2 against 9.553 on one rank, 9.553 at EP2;"
-    " logprobs after the step 1.59 apart): the gradient through its TP2 layers, not the adapters; forward checked"
+    "ds-tp2xep2": "DeepSeek-V3 at TP2 trains wrong without LoRA too: megatron-core 0.16.1's MLA on the local spec"
+    " all-gathers the column-parallel linear_kv_down_proj output (multi_latent_attention.py:607), whose backward"
+    " only splits the gradient, but its k_pos_emb slice feeds each rank's own heads, so its gradient is partial"
+    " and never summed over TP: the rope rows of linear_kv_down_proj's gradient and everything below them differ"
+    " from one rank's (grad norm 9.208 vs 9.553 without LoRA); the forward agrees"
 }
 """Layouts whose forward matches one rank but whose base model's backward does not (the update is not compared)."""
 SHARDED = [("1x1x1", name) for name in LAYOUTS if name != "1x1x1"] + [
