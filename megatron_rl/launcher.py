@@ -93,6 +93,7 @@ def start_teacher_scorer(cfg: RunConfig, teachers: EnginePool | None) -> Teacher
     return TeacherScorer(
         teachers.actors, restart, cfg.distill.request_timeout_s, cfg.rollout.max_engine_restarts,
         refresh_wait_s=cfg.trainer.timeout_s + cfg.sync.timeout_s,  # a snapshot teacher's: the trainer's next poll
+        top_k=cfg.distill.top_k if cfg.distill.top_loss else 0,
     )  # fmt: skip
 
 

@@ -62,3 +62,17 @@ def reverse_kl_sums(student_logprobs: Tensor, teacher_logprobs: Tensor, mask: Te
     return torch.stack(
         [masked_sum(diff, mask), masked_count(mask).double(), masked_sum(k3, mask), masked_max(diff.abs(), mask)]
     )
+
+
+def top_k_kl(student_top: Tensor, teacher_top: Tensor, kind: str, floor: float = -1e29) -> Tensor:
+    """Per position KL `[...]` on the teacher's top k tokens (`[..., k]` logprobs of the same ids), both
+    distributions renormalised on them: `forward` KL(teacher || student), `reverse` KL(student || teacher).
+    Entries whose teacher logprob is below `floor` (padding: the engine returned fewer) weigh nothing."""
+    if kind not in ("forward", "reverse"):
+        raise ValueError(f"top-k KL kind {kind!r}: expected forward or reverse")
+    real = teacher_top > floor
+    # Finite stand-ins keep the softmax and its gradient free of inf - inf where an entry is padding.
+    t = torch.where(real, teacher_top.float(), floor).log_softmax(-1)
+    s = torch.where(real, student_top.float(), floor).log_softmax(-1)
+    p, q = (t, s) if kind == "forward" else (s, t)
+    return torch.where(real, p.exp() * (p - q), torch.zeros_like(p)).sum(-1)

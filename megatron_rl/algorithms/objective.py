@@ -79,6 +79,13 @@ class LossSpec:
     """KL estimator of the loss term."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (0: entropy is a metric only)."""
+    top_kl: str = ""
+    """On-policy distillation's top-k KL loss term (`distill.loss: topk_*`): `forward` or `reverse`; empty: none."""
+    top_kl_coef: float = 0.0
+    """Its weight (`distill.kl_coef`), on the token mean over the input mask."""
+    temperature: float = 1.0
+    """The rollout temperature the model's logits are divided by (the top-k term undoes it: the teacher's
+    logprobs are untempered)."""
     sampling_mask: SamplingMask | None = None
     """The engines' top-k / top-p mask the trainer applies to its logits before every logprob (current,
     proximal, reference), so the policy is the truncated distribution the engines sample from; None: the plain

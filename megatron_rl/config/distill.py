@@ -33,7 +33,17 @@ class DistillConfig(Section):
     cpu_kv_cache_gb: int = Field(1, ge=1)
     """KV cache size of a CPU teacher engine (VLLM_CPU_KVCACHE_SPACE)."""
     kl_coef: float = Field(1.0, ge=0)
-    """lambda: the weight of the per-token reverse-KL term `-(log p_student - log p_teacher)` in the advantage."""
+    """lambda: the weight of the distillation term: the per-token reverse-KL advantage `-(log p_student -
+    log p_teacher)` (`loss: advantage`), or the top-k KL loss term (`loss: topk_*`)."""
+    loss: Literal["advantage", "topk_forward_kl", "topk_reverse_kl"] = "advantage"
+    """How the teacher's score trains the student: `advantage` (the sampled token's reverse-KL estimate as a
+    per-token advantage, under the policy loss and its correction; tinker-cookbook, slime), or a loss term over
+    the teacher's `top_k` tokens at every response position, both distributions renormalised on them:
+    `topk_forward_kl` KL(teacher || student) or `topk_reverse_kl` KL(student || teacher) (NeMo-RL's top-k
+    distillation), added to the policy loss (whose advantages are then the reward's alone)."""
+    top_k: int = Field(20, ge=1, le=256)
+    """The teacher tokens per position the `topk_*` losses compare on (the teacher engines' `max_logprobs`
+    follows)."""
     use_reward: bool = True
     """Add the task reward's advantage to the distillation term; false: pure distillation (the reward is still
     computed and logged, `reward/mean`, but trains nothing)."""
@@ -47,6 +57,11 @@ class DistillConfig(Section):
     def enabled(self) -> bool:
         """Whether the run distils from a teacher."""
         return self.teacher != "none"
+
+    @property
+    def top_loss(self) -> str:
+        """`forward` or `reverse` with a top-k KL loss, else empty."""
+        return self.loss.removeprefix("topk_").removesuffix("_kl") if self.enabled and self.loss != "advantage" else ""
 
     @model_validator(mode="after")
     def _teacher_complete(self) -> DistillConfig:

@@ -4,7 +4,9 @@ dtype), so that samples carrying it stay plain data in the buffer and in its che
 - routed experts: one response's `[positions, moe_layers, top_k]` expert ids (uint8 or int16);
 - kept sets: the token ids the engine's top-k / top-p sampler kept at each response position, `[tokens, width]`
   int32 padded with `KEPT_PAD`; a row of only `KEPT_PAD` is a position whose set the engine could not identify
-  (more tokens tied inside it than it was asked to report), which the trainer recomputes from its own logits.
+  (more tokens tied inside it than it was asked to report), which the trainer recomputes from its own logits;
+- a teacher's top k: at each response position the k token ids the teacher ranks highest and their logprobs,
+  `[tokens, k]` int32 and float32 (on-policy distillation with a top-k loss).
 
 Shared by the engine actor (which encodes) and the trainer's batch (which decodes); numpy only.
 """
@@ -22,6 +24,9 @@ ROUTE_DTYPES = ("uint8", "int16")
 KEPT_DTYPES = ("int32",)
 """Kept sets travel as int32 token ids (vocabularies exceed int16)."""
 KEPT_PAD = -1
+"""Fills a kept-set row beyond its tokens; a row of only this is a set the engine did not identify."""
+TOP_PAD_LOGPROB = -1e30
+"""A teacher top-k entry the engine did not return (a position with fewer candidates): weight 0 in the loss."""
 """Fills a kept-set row beyond its tokens; a row of only this is a set the engine did not identify."""
 
 
@@ -96,3 +101,36 @@ def kept_set_row(logprobs: Mapping[int, float], asked: int) -> np.ndarray:
     if 0 < len(kept) < asked:
         row[: len(kept)] = kept
     return row
+
+
+def teacher_top_row(entry: Mapping[int, object] | None, k: int) -> tuple[list[int], list[float]]:
+    """The k highest-ranked (token id, logprob) of one vLLM logprobs entry (token id -> Logprob with `rank`; the
+    scored token is in it too, at its own rank), best first; missing ones padded with id 0 and `TOP_PAD_LOGPROB`."""
+    ranked = sorted(
+        ((int(getattr(v, "rank", 0) or 0), int(t), float(getattr(v, "logprob", v))) for t, v in (entry or {}).items()),
+    )
+    top = [(t, lp) for rank, t, lp in ranked if 1 <= rank <= k][:k]
+    ids = [t for t, _ in top] + [0] * (k - len(top))
+    return ids, [lp for _, lp in top] + [TOP_PAD_LOGPROB] * (k - len(top))
+
+
+def encode_teacher_top(ids: np.ndarray, logprobs: np.ndarray) -> dict:
+    """`{"ids", "logprobs"}` of a teacher's `[tokens, k]` top-k ids (int32) and logprobs (float32), JSON-able."""
+    if ids.shape != logprobs.shape:
+        raise ValueError(f"teacher top-k ids {ids.shape} and logprobs {logprobs.shape} differ in shape")
+    return {
+        "ids": _encode(ids, 2, ("int32",), "teacher top-k ids [tokens, k]"),
+        "logprobs": _encode(logprobs, 2, ("float32",), "teacher top-k logprobs [tokens, k]"),
+    }
+
+
+def decode_teacher_top(entry: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The `[tokens, k]` ids and logprobs of an `encode_teacher_top` entry; ValueError naming what is wrong."""
+    try:
+        ids = _decode(entry["ids"], 2, ("int32",), "teacher top-k ids")
+        logprobs = _decode(entry["logprobs"], 2, ("float32",), "teacher top-k logprobs")
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"teacher top-k entry is not {{ids, logprobs}}: {err}") from None
+    if ids.shape != logprobs.shape:
+        raise ValueError(f"teacher top-k ids {ids.shape} and logprobs {logprobs.shape} differ in shape")
+    return ids, logprobs

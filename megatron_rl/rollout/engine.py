@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 
 from megatron_rl.errors import UserError
-from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_routes, kept_set_row
+from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_routes, kept_set_row, teacher_top_row
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -385,16 +385,28 @@ class VLLMEngine:
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of tokens[1:] of each token sequence given its prefix (vLLM prompt logprobs)."""
-        llm = self._require()
-        params = _vllm().SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        return [given for given, _ in await self._score(sequences, 0)]
 
-        async def one(seq: list[int]) -> list[float]:
-            """The logprobs of one sequence."""
+    async def score_versioned(self, sequences: list[list[int]], top_k: int = 0) -> dict:
+        """`score`, with the weight version the scores came from (`version`, read when they are back: an update
+        pauses a scoring between engine steps, and the prefill that gives prompt logprobs is one step), and with
+        `top_k` each position's k best (ids, logprobs) too (`top`, per sequence, `models/routes.teacher_top_row`)."""
+        scored = await self._score(sequences, top_k)
+        out = {"version": self.version, "logprobs": [given for given, _ in scored]}
+        return out | ({"top": [top for _, top in scored]} if top_k else {})
+
+    async def _score(self, sequences: list[list[int]], top_k: int) -> list[tuple[list[float], list | None]]:
+        llm = self._require()
+        params = _vllm().SamplingParams(max_tokens=1, prompt_logprobs=top_k, temperature=1.0, detokenize=False)
+
+        async def one(seq: list[int]) -> tuple[list[float], list | None]:
+            """The logprobs of one sequence (and its top-k rows)."""
             final = None
             async for out in llm.generate({"prompt_token_ids": list(seq)}, params, uuid.uuid4().hex):
                 final = out
             entries = final.prompt_logprobs[1:]
-            return [_sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
+            given = [_sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
+            return given, [teacher_top_row(entry, top_k) for entry in entries] if top_k else None
 
         self._check_consistent()
         self._mark_busy(+1)  # scoring is this engine's work as a teacher: its idle fraction counts it
@@ -402,12 +414,6 @@ class VLLMEngine:
             return list(await asyncio.gather(*(one(s) for s in sequences)))
         finally:
             self._mark_busy(-1)
-
-    async def score_versioned(self, sequences: list[list[int]]) -> dict:
-        """`score`, with the weight version the scores came from (`version`, read when they are back: an update
-        pauses a scoring between engine steps, and the prefill that gives prompt logprobs is one step)."""
-        logprobs = await self.score(sequences)
-        return {"version": self.version, "logprobs": logprobs}
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests (each returns what it generated so far, finish_reason 'abort')."""

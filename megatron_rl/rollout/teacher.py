@@ -26,8 +26,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from megatron_rl.config import RunConfig
 from megatron_rl.errors import UserError
+from megatron_rl.models.routes import encode_teacher_top
 from megatron_rl.rollout.driver import GenerationError, TeacherError, ask_health, error_line, is_actor_death
 from megatron_rl.rollout.engine import EngineSpec
 from megatron_rl.rollout.tasks import load_tokenizer
@@ -37,6 +40,9 @@ log = logging.getLogger(__name__)
 
 LATENCY_KEY = "teacher_latency_s"
 """`sample.metadata` key of the teacher call's seconds (the `distill/teacher_latency_s` metric)."""
+TOP_KEY = "teacher_top"
+"""`sample.metadata` key of the teacher's top-k ids and logprobs at each response token (`distill.loss: topk_*`;
+`models/routes.encode_teacher_top`)."""
 VERSION_KEY = "teacher_version"
 """`sample.metadata` key of the teacher's weight version that scored the sample (`distill/teacher_version`)."""
 WAIT_POLL_S = 0.2
@@ -93,7 +99,7 @@ def teacher_specs(cfg: RunConfig) -> list[EngineSpec]:
         EngineSpec(
             name=f"teacher-{i}", model_path=path, dtype=d.teacher_dtype or cfg.model.dtype,
             tensor_parallel=d.engine_tp, max_model_len=cfg.model.max_sequence_length + 1,
-            cpu_kv_cache_gb=d.cpu_kv_cache_gb, seed=cfg.trainer.seed + 1000 + i,
+            cpu_kv_cache_gb=d.cpu_kv_cache_gb, seed=cfg.trainer.seed + 1000 + i, max_logprobs=max(20, d.top_k),
             max_num_seqs=max(16, r.num_engines * r.max_concurrent_prompts * r.samples_per_prompt),
             gpu_memory_utilization=r.gpu_memory_utilization, cpu_affinity=list(r.cpu_affinity),
         )
@@ -116,6 +122,18 @@ def response_logprobs(sample: Sample, scored: list[float]) -> list[float]:
     return mine
 
 
+def response_top(sample: Sample, rows: list) -> dict:
+    """The response tokens' top-k rows (`(ids, logprobs)` per scored position, entry j is token j + 1's), encoded
+    for the sample (`models/routes.encode_teacher_top`)."""
+    n = len(sample.response_ids)
+    mine = rows[len(rows) - n :] if n else []
+    ids = np.array([r[0] for r in mine], dtype=np.int32).reshape(n, -1)
+    logprobs = np.array([r[1] for r in mine], dtype=np.float32).reshape(n, -1)
+    if not np.isfinite(logprobs).all():
+        raise TeacherError(f"prompt {sample.prompt_index}: the teacher's top-k logprobs are not all finite")
+    return encode_teacher_top(ids, logprobs)
+
+
 class TeacherScorer:
     """Scores groups on the teacher engines (module docstring); every call is bounded by `timeout_s`."""
 
@@ -126,6 +144,7 @@ class TeacherScorer:
         timeout_s: float,
         max_restarts: int,
         refresh_wait_s: float = 600.0,
+        top_k: int = 0,
     ):
         self.actors = dict(actors)
         self._restart_blocking = restart
@@ -140,6 +159,8 @@ class TeacherScorer:
         self.versions = dict.fromkeys(self.actors, 0)
         """The weight version each teacher last scored with."""
         self.refresh_wait_s = refresh_wait_s
+        self.top_k = top_k
+        """Ask for each position's top k too (a top-k distillation loss); 0: the scored tokens' logprobs only."""
         """How long a restarted teacher may wait for the weights it held (the trainer's refresh) before the run
         stops."""
 
@@ -154,7 +175,7 @@ class TeacherScorer:
         self.busy[name] += 1
         try:
             sequences = [s.prompt_ids + s.response_ids for s in samples]
-            scored = await asyncio.wait_for(actor.score_versioned.remote(sequences), self.timeout_s)
+            scored = await asyncio.wait_for(actor.score_versioned.remote(sequences, self.top_k), self.timeout_s)
         except asyncio.TimeoutError:
             self.failures += 1
             await self._check_hung(name, actor)
@@ -174,6 +195,8 @@ class TeacherScorer:
             sample.teacher_logprobs = mine
             sample.metadata[LATENCY_KEY] = seconds
             sample.metadata[VERSION_KEY] = scored["version"]
+        for sample, rows in zip(samples, scored.get("top") or [], strict=False):
+            sample.metadata[TOP_KEY] = response_top(sample, rows)
         return seconds
 
     async def _a_live_teacher(self) -> str:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from megatron_rl.algorithms.advantages import compute_advantages
 from megatron_rl.algorithms.sampling_mask import KEEP_ALL
-from megatron_rl.models.routes import KEPT_PAD, decode_kept_sets, decode_routes
+from megatron_rl.models.routes import KEPT_PAD, TOP_PAD_LOGPROB, decode_kept_sets, decode_routes, decode_teacher_top
 
 if TYPE_CHECKING:  # the rollout's sample contract; the trainer only reads its fields
     from megatron_rl.rollout.types import Group
@@ -59,6 +59,11 @@ class TrainBatch:
     versions: Tensor | None = None
     """`[B, S-1]` int64 the weight version that sampled each response token (-1 elsewhere): which tokens are
     fresh (sampled by the weights the step starts from) for `mismatch/fresh_*`."""
+    teacher_top_ids: Tensor | None = None
+    """`[B, S-1, k]` int64 the teacher's k best token ids at each response position (`distill.loss: topk_*`;
+    0 elsewhere)."""
+    teacher_top_logprobs: Tensor | None = None
+    """`[B, S-1, k]` float32 the teacher's untempered logprobs of `teacher_top_ids` (`TOP_PAD_LOGPROB` elsewhere)."""
     kept_tokens: Tensor | None = None
     """`[B, S-1, K]` int32: at a response position, the token ids the engine's top-k / top-p sampler kept
     there (padded with -1; only -1: the engine could not identify it, the trainer recomputes it); elsewhere a row
@@ -214,6 +219,7 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     teacher = torch.zeros(len(samples), seq - 1) if all(scored) else None
     routes, route_free = batch_routes(samples, seq)
     kept = batch_kept_sets(samples, seq)
+    top_ids, top_logprobs = batch_teacher_top(samples, seq)
     for row, sample in enumerate(samples):
         ids = list(sample.prompt_ids) + list(sample.response_ids)
         tokens[row, : len(ids)] = torch.tensor(ids)
@@ -232,8 +238,32 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     return TrainBatch(
         tokens=tokens, loss_mask=mask, advantages=advantages, behaviour_logprobs=behaviour, lengths=lengths,
         rewards=rewards, group_ids=group_ids, teacher_logprobs=teacher, routes=routes, route_free=route_free,
-        kept_tokens=kept, versions=versions,
+        kept_tokens=kept, versions=versions, teacher_top_ids=top_ids, teacher_top_logprobs=top_logprobs,
     )  # fmt: skip
+
+
+def batch_teacher_top(samples: Sequence, seq: int) -> tuple[Tensor | None, Tensor | None]:
+    """(`[B, S-1, k]` ids, logprobs) of the teacher's top k at each response position, from the samples'
+    `metadata["teacher_top"]` (all or none carry them); (None, None) when none do."""
+    carried = ["teacher_top" in s.metadata for s in samples]
+    if not any(carried):
+        return None, None
+    if not all(carried):
+        raise ValueError(f"{carried.count(False)} of {len(samples)} samples carry no teacher top-k (all or none must)")
+    rows = [decode_teacher_top(s.metadata["teacher_top"]) for s in samples]
+    widths = {ids.shape[1] for ids, _ in rows}
+    if len(widths) != 1:
+        raise ValueError(f"samples' teacher top-k have different widths: {sorted(widths)}")
+    k = widths.pop()
+    ids = torch.zeros(len(samples), seq - 1, k, dtype=torch.long)
+    logprobs = torch.full((len(samples), seq - 1, k), TOP_PAD_LOGPROB, dtype=torch.float32)
+    for row, (sample, (i, lp)) in enumerate(zip(samples, rows)):
+        n, start = len(sample.response_ids), len(sample.prompt_ids) - 1  # position t predicts token t + 1
+        if i.shape[0] != n:
+            raise ValueError(f"sample of prompt {sample.prompt_index}: teacher top-k of {i.shape[0]} tokens, not {n}")
+        ids[row, start : start + n] = torch.from_numpy(i.astype("int64"))
+        logprobs[row, start : start + n] = torch.from_numpy(lp.copy())
+    return ids, logprobs
 
 
 def batch_routes(samples: Sequence, seq: int) -> tuple[Tensor | None, Tensor | None]:

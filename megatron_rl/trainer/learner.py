@@ -116,12 +116,15 @@ class Distillation:
     """Whether the reward's advantages stay in (false: pure distillation)."""
     temperature: float
     """The rollout temperature the model divides its logits by (the untempered logprobs undo it)."""
+    in_advantage: bool = True
+    """Whether the teacher's term goes into the advantages (`distill.loss: advantage`); else it is the loss's
+    top-k KL term and the advantages are the reward's alone (zero in pure distillation)."""
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Distillation | None:
         """The run's distillation, None without a teacher."""
         d = cfg.distill
-        return cls(d.kl_coef, d.use_reward, cfg.rollout.temperature) if d.enabled else None
+        return cls(d.kl_coef, d.use_reward, cfg.rollout.temperature, not d.top_loss) if d.enabled else None
 
     def apply(self, batch: TrainBatch, untempered: Tensor, ctx: ParallelContext) -> tuple[TrainBatch, dict]:
         """(Last-stage ranks) the share with per-token advantages `use_reward * A - kl_coef * (student - teacher)`
@@ -130,7 +133,8 @@ class Distillation:
         if batch.teacher_logprobs is None:
             raise ValueError("distill.teacher is set but the batch has no teacher logprobs (Sample.teacher_logprobs)")
         teacher, mask = batch.teacher_logprobs, batch.loss_mask
-        advantages = distill_advantages(batch.advantages, untempered, teacher, mask, self.kl_coef, self.use_reward)
+        coef = self.kl_coef if self.in_advantage else 0.0
+        advantages = distill_advantages(batch.advantages, untempered, teacher, mask, coef, self.use_reward)
         sums = reverse_kl_sums(untempered, teacher, mask)
         total, largest = sums[:3].to(ctx.device).contiguous(), sums[3:].to(ctx.device).contiguous()
         dist.all_reduce(total, group=ctx.dp_group)
@@ -258,7 +262,8 @@ class Learner:
         )
         self.reference = self._reference_model(opts) if cfg.algorithm.kl_coef > 0 else None
         sampling = SamplingMask(cfg.rollout.top_k, cfg.rollout.top_p)
-        self.spec = loss_spec(cfg.algorithm, cfg.rollout.max_new_tokens, sampling)
+        top_kl = (cfg.distill.top_loss, cfg.distill.kl_coef)
+        self.spec = loss_spec(cfg.algorithm, cfg.rollout.max_new_tokens, sampling, top_kl, cfg.rollout.temperature)
         self.skips = SkipCounter(cfg.algorithm.max_skipped_updates_in_a_row)
         self.distill = Distillation.of(cfg)
         mode = cfg.algorithm.routing

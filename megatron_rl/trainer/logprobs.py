@@ -97,6 +97,25 @@ def logprobs_and_entropy(
     return logprobs, entropy
 
 
+def vocab_parallel_logprobs_at(logits: Tensor, ids: Tensor) -> Tensor:
+    """log softmax(logits) at `ids` `[b, s, k]` (any token ids, with gradient) from vocab-parallel `logits`
+    `[b, s, V / tp]`: the log-sum-exp and each id's logit are summed over the TP group (Megatron's
+    `reduce_from_tensor_model_parallel_region`, whose backward leaves each rank its own slice's gradient, as the
+    vocab-parallel cross entropy does), so no rank holds the full vocabulary."""
+    logits = logits.float()
+    width = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    top = logits.detach().amax(dim=-1, keepdim=True)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    shifted = logits - top  # the same shift on every rank: the sums below add up
+    local = ids.to(logits.device) - start
+    inside = (local >= 0) & (local < width)
+    picked = torch.gather(shifted, -1, local.clamp(0, width - 1)) * inside
+    total = reduce_from_tensor_model_parallel_region(shifted.exp().sum(dim=-1, keepdim=True))
+    return reduce_from_tensor_model_parallel_region(picked) - total.log()
+
+
 MASK_CHUNK_ELEMENTS = 1 << 24
 """Full-vocabulary elements (rows x V) gathered at once to find the kept set: each chunk holds a few float32
 and int64 copies of that size, 16M elements about 0.4 GiB in all, whatever the micro-batch."""

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
+from megatron_rl.algorithms.distill import top_k_kl
 from megatron_rl.algorithms.masked import as_bool_mask, masked_count, masked_mean
 from megatron_rl.algorithms.metrics import fresh_mismatch_metrics, mismatch_metrics
 from megatron_rl.algorithms.objective import LossSpec, denominators, policy_loss
@@ -63,16 +64,22 @@ from megatron_rl.trainer.logprobs import (
     shifted_labels,
     stage_padding_mask,
     vocab_parallel_entropy,
+    vocab_parallel_logprobs_at,
 )
 from megatron_rl.trainer.optimizer import TrainingState, current_lr, unwrap_model, zero_grads
 
 
 def loss_spec(
-    algo: AlgorithmConfig, max_new_tokens: int | None = None, sampling: SamplingMask | None = None
+    algo: AlgorithmConfig,
+    max_new_tokens: int | None = None,
+    sampling: SamplingMask | None = None,
+    top_kl: tuple[str, float] = ("", 0.0),
+    temperature: float = 1.0,
 ) -> LossSpec:
     """The objective's settings from the config; `max_new_tokens` is Dr. GRPO's constant when the config names
     none (`loss_agg_tokens`). KL in the reward leaves no KL term in the loss. `sampling` (the rollout's top-k /
-    top-p) becomes the spec's mask when it can drop tokens and `algorithm.sampling_mask` is on."""
+    top-p) becomes the spec's mask when it can drop tokens and `algorithm.sampling_mask` is on. `top_kl`:
+    distillation's top-k KL term (kind, weight), with the rollout `temperature` the logits are divided by."""
     mask = sampling if algo.sampling_mask and sampling is not None and sampling.active else None
     return LossSpec(
         kind=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
@@ -80,7 +87,8 @@ def loss_spec(
         is_cap=algo.is_cap, is_cap_low=algo.is_cap_low, veto_max=algo.veto_max, veto_min=algo.veto_min,
         is_normalizer=algo.is_normalizer, agg=algo.loss_agg, norm_tokens=algo.loss_agg_tokens or max_new_tokens,
         kl_coef=algo.kl_coef if algo.kl_in == "loss" else 0.0, kl_kind=algo.kl_estimator,
-        entropy_coef=algo.entropy_coef, sampling_mask=mask,
+        entropy_coef=algo.entropy_coef, sampling_mask=mask, top_kl=top_kl[0], top_kl_coef=top_kl[1],
+        temperature=temperature,
     )  # fmt: skip
 
 
@@ -180,7 +188,9 @@ def micro_batch_loss(
 def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float, output_tensor: Tensor):
     """Megatron loss function: vocab-parallel logits `[b, s, V/tp]` -> (scaled loss, what the update keeps)."""
     labels = shifted_labels(mb.tokens)
-    outside = None
+    outside = top = None
+    if spec.top_kl:  # first: the cross entropy below overwrites fp32 logits in place
+        top = _top_kl_term(mb, spec, output_tensor)
     if spec.sampling_mask is None:
         logprobs, entropy = logprobs_and_entropy(output_tensor, labels, entropy_grad=spec.entropy_coef > 0)
     else:
@@ -189,9 +199,22 @@ def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float,
         outside = outside[:, :-1]
     logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
     loss, _ = micro_batch_loss(logprobs, mb, spec, norms, entropy)
+    if top is not None:  # a token mean over the global batch, like the KL and entropy terms
+        loss = loss + spec.top_kl_coef * top.sum() / max(norms.input, 1.0)
     # The schedule divides by num_microbatches and DDP by the DP size: `scale` cancels both (module docstring).
     kept = {"loss": loss.detach(), "logprobs": logprobs.detach(), "entropy": entropy.detach(), "outside": outside}
+    kept["top_kl"] = None if top is None else top.detach()
     return loss * scale, kept
+
+
+def _top_kl_term(mb: TrainBatch, spec: LossSpec, output_tensor: Tensor) -> Tensor:
+    """`[b, S-1]` the top-k KL to the teacher at each response position (0 elsewhere), with gradient: the
+    student's untempered logprobs at the teacher's top-k ids against the teacher's (`algorithms.distill`)."""
+    if mb.teacher_top_ids is None:
+        raise ValueError("distill.loss is a top-k KL but the batch carries no teacher top-k (Sample.metadata)")
+    student = vocab_parallel_logprobs_at(output_tensor[:, :-1] * spec.temperature, mb.teacher_top_ids)
+    term = top_k_kl(student, mb.teacher_top_logprobs, spec.top_kl)
+    return torch.where(as_bool_mask(mb.loss_mask), term, torch.zeros_like(term))
 
 
 def _train_forward_step(spec: LossSpec, norms: Normalizers | None, scale: float, data_iterator, model):
@@ -227,7 +250,8 @@ def forward_backward(
     """Run Megatron's forward-backward over the micro-batches; gradients land in the DDP buffers (reduced).
 
     Returns (this share's loss, its current logprobs `[B, S-1]`, its entropy `[B, S-1]`, which labels fell outside
-    the sampling mask `[B, S-1]` or None without one) on last-stage ranks, (None, None, None, None) elsewhere.
+    the sampling mask `[B, S-1]` or None without one, the top-k KL to the teacher `[B, S-1]` or None without that
+    term) on last-stage ranks, five Nones elsewhere.
     """
 
     norms = global_normalizers(batch, spec, ctx) if ctx.is_last_stage else None
@@ -244,11 +268,12 @@ def forward_backward(
         forward_only=False,
     )
     if not ctx.is_last_stage:
-        return None, None, None, None
+        return None, None, None, None, None
     loss = float(sum(float(out["loss"]) for out in outputs))
     logprobs = torch.cat([out["logprobs"] for out in outputs], dim=0)
     outside = None if spec.sampling_mask is None else torch.cat([out["outside"] for out in outputs], dim=0)
-    return loss, logprobs, torch.cat([out["entropy"] for out in outputs], dim=0), outside
+    top = None if not spec.top_kl else torch.cat([out["top_kl"] for out in outputs], dim=0)
+    return loss, logprobs, torch.cat([out["entropy"] for out in outputs], dim=0), outside, top
 
 
 def _everyone_finite(ctx: ParallelContext, local_loss: float | None) -> bool:
@@ -296,12 +321,12 @@ def train_step(
     if batch.batch_size % micro_batch_size:
         raise ValueError(f"batch of {batch.batch_size} is not divisible by micro_batch_size {micro_batch_size}")
     zero_grads(state)
-    local_loss, logprobs, entropy, outside = forward_backward(state.model, ctx, batch, spec, micro_batch_size)
+    local_loss, logprobs, entropy, outside, top = forward_backward(state.model, ctx, batch, spec, micro_batch_size)
     lr = current_lr(state.optimizer)
     stepped, grad_norm, num_zeros = _guarded_optimizer_step(state, _everyone_finite(ctx, local_loss))
     stats = None
     if ctx.is_last_stage:
-        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside), local_loss, spec, fresh_version)
+        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside, top), local_loss, spec, fresh_version)
     stats = broadcast_from_owner(ctx, stats)
     stats.update(grad_norm=grad_norm, lr=lr, update_successful=float(stepped), **{"guard/skipped": float(not stepped)})
     if num_zeros is not None:
@@ -339,6 +364,9 @@ def _global_batch_stats(
     if spec.sampling_mask is not None:
         outside = torch.cat([g[3] for g in gathered], dim=0)
         stats["policy/outside_mask_frac"] = float(masked_mean(outside.double(), as_bool_mask(full.loss_mask)))
+    if spec.top_kl:
+        top = torch.cat([g[4] for g in gathered], dim=0)
+        stats["distill/top_kl"] = float(masked_mean(top.double(), as_bool_mask(full.loss_mask)))
     stats["loss"] = float(loss.item())
     return stats
 

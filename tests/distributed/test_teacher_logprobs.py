@@ -13,11 +13,28 @@ import torch
 ray = pytest.importorskip("ray")
 
 from megatron_rl.config import load_config  # noqa: E402
+from megatron_rl.models.routes import decode_teacher_top  # noqa: E402
 from megatron_rl.rollout.driver import TeacherError  # noqa: E402
 from megatron_rl.rollout.pool import EnginePool  # noqa: E402
-from megatron_rl.rollout.teacher import LATENCY_KEY, TeacherScorer, teacher_specs  # noqa: E402
+from megatron_rl.rollout.teacher import LATENCY_KEY, TOP_KEY, TeacherScorer, teacher_specs  # noqa: E402
 from megatron_rl.rollout.types import Sample  # noqa: E402
 from megatron_rl.verify.parity import hf_logprobs  # noqa: E402
+
+TOP_K = 5
+
+
+def _top_k_diff(hf: str, tokens: torch.Tensor, sample: Sample) -> float:
+    """Largest |teacher - transformers| over the response positions' top-k logprobs; the ids must be the same."""
+    from transformers import AutoModelForCausalLM  # seconds to import; cached by transformers after the first
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = model(input_ids=tokens).logits[0].float().log_softmax(-1)[len(sample.prompt_ids) - 1 : -1]
+    expected, expected_ids = logprobs.topk(TOP_K, dim=-1)
+    ids, got = decode_teacher_top(sample.metadata[TOP_KEY])
+    assert ids.shape == (len(sample.response_ids), TOP_K)
+    assert (torch.from_numpy(ids.astype("int64")) == expected_ids).all()
+    return float((torch.from_numpy(got.copy()) - expected).abs().max())
 
 
 def _samples() -> list[Sample]:
@@ -43,20 +60,23 @@ def test_teacher_logprobs_equal_transformers(tiny_dir, local_ray, tp):
     try:
         pool.start(600)
         restart = functools.partial(pool.restart, timeout_s=600)
-        scorer = TeacherScorer(pool.actors, restart, timeout_s=120, max_restarts=0)
+        scorer = TeacherScorer(pool.actors, restart, timeout_s=120, max_restarts=0, top_k=TOP_K)
         seconds = asyncio.run(scorer.score(samples))
     finally:
         pool.shutdown()
-    diffs = []
+    diffs, top_diffs = [], []
     for sample in samples:
         tokens = torch.tensor([sample.prompt_ids + sample.response_ids])
         expected = hf_logprobs(hf, tokens)[0, len(sample.prompt_ids) - 1 :]  # position t predicts token t + 1
         assert len(sample.teacher_logprobs) == len(sample.response_ids)
         diffs.append((torch.tensor(sample.teacher_logprobs, dtype=torch.float32) - expected).abs())
         assert sample.metadata[LATENCY_KEY] == seconds > 0
+        top_diffs.append(_top_k_diff(hf, tokens, sample))
     worst = float(torch.cat(diffs).max())
     print(f"teacher TP{tp}: max |vLLM prompt logprob - transformers| = {worst:.3g} over {len(torch.cat(diffs))} tokens")
     assert worst <= 1e-4
+    print(f"teacher TP{tp}: max |top-{TOP_K} logprob - transformers'| = {max(top_diffs):.3g} (same ids)")
+    assert max(top_diffs) <= 1e-4
 
 
 @pytest.mark.slow

@@ -10,12 +10,14 @@ import math
 import shutil
 import time
 
+import numpy as np
 import pytest
 import torch
 from ray.exceptions import RayActorError
 
-from megatron_rl.algorithms.distill import distill_advantages, reverse_kl_sums
+from megatron_rl.algorithms.distill import distill_advantages, reverse_kl_sums, top_k_kl
 from megatron_rl.config import ConfigError, load_config
+from megatron_rl.models.routes import TOP_PAD_LOGPROB, decode_teacher_top, encode_teacher_top, teacher_top_row
 from megatron_rl.rollout.buffer import RolloutBuffer
 from megatron_rl.rollout.driver import GenerationError, TeacherError
 from megatron_rl.rollout.tasks import PromptStream
@@ -185,7 +187,7 @@ class StandInTeacher(StandInEngine):
 
     version = 0
 
-    async def _score(self, sequences):
+    async def _score(self, sequences, top_k=0):
         pending = self.errors.get(sequences[0][1])
         if pending:
             raise pending.pop(0)
@@ -229,7 +231,7 @@ def test_a_failed_teacher_scoring_requeues_the_prompt_and_loses_no_sample():
 class HungTeacher(StandInTeacher):
     """Answers neither a scoring nor a health call."""
 
-    async def _score(self, sequences):
+    async def _score(self, sequences, top_k=0):
         await asyncio.sleep(3600)
 
     async def _health(self) -> dict:
@@ -303,9 +305,9 @@ class RefreshedLater(StandInTeacher):
         self.polls += 1
         return self.version
 
-    async def _score(self, sequences):
+    async def _score(self, sequences, top_k=0):
         self.scored_before_refresh += self.version == 0
-        return await super()._score(sequences)
+        return await super()._score(sequences, top_k)
 
 
 def test_a_restarted_teacher_the_trainer_never_refreshes_stops_the_run():
@@ -318,3 +320,55 @@ def test_a_restarted_teacher_the_trainer_never_refreshes_stops_the_run():
     )
     with pytest.raises(GenerationError, match="restarted at weight version 0, and the trainer did not bring it to"):
         asyncio.run(_drive_until(driver, lambda: False))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The top-k KL loss
+
+
+def test_top_k_kl_is_the_kl_of_the_renormalised_top_k_and_ignores_padding():
+    gen = torch.Generator().manual_seed(3)
+    student = torch.randn(2, 5, 4, generator=gen).log_softmax(-1) - 0.3  # logprobs of 4 of a larger vocabulary
+    teacher = torch.randn(2, 5, 4, generator=gen).log_softmax(-1) - 0.2
+    s, t = student.log_softmax(-1).double(), teacher.log_softmax(-1).double()
+    forward = (t.exp() * (t - s)).sum(-1)
+    reverse = (s.exp() * (s - t)).sum(-1)
+    assert torch.allclose(top_k_kl(student, teacher, "forward").double(), forward, atol=1e-6)
+    assert torch.allclose(top_k_kl(student, teacher, "reverse").double(), reverse, atol=1e-6)
+    assert float(top_k_kl(teacher, teacher, "reverse").abs().max()) < 1e-6 and float(forward.min()) > 0
+    padded_t = torch.cat([teacher, torch.full((2, 5, 2), TOP_PAD_LOGPROB)], -1)  # two entries the engine lacked
+    padded_s = torch.cat([student, torch.zeros(2, 5, 2)], -1).requires_grad_()
+    for kind, expected in (("forward", forward), ("reverse", reverse)):
+        got = top_k_kl(padded_s, padded_t, kind)
+        assert torch.allclose(got.double(), expected, atol=1e-6), kind
+        (grad,) = torch.autograd.grad(got.sum(), padded_s)
+        assert torch.isfinite(grad).all() and float(grad[..., 4:].abs().max()) == 0
+    with pytest.raises(ValueError, match="expected forward or reverse"):
+        top_k_kl(student, teacher, "jsd")
+
+
+class _Lp:
+    def __init__(self, logprob, rank):
+        self.logprob, self.rank = logprob, rank
+
+
+def test_teacher_top_rows_travel_encoded_and_come_back_in_the_batch():
+    entry = {7: _Lp(-0.1, 1), 3: _Lp(-2.5, 2), 9: _Lp(-9.0, 57)}  # the scored token (9) ranked 57th
+    assert teacher_top_row(entry, 2) == ([7, 3], [-0.1, -2.5])
+    assert teacher_top_row(entry, 3) == ([7, 3, 0], [-0.1, -2.5, TOP_PAD_LOGPROB])
+    ids = np.array([[5, 1], [2, 8], [4, 4]], dtype=np.int32)
+    logprobs = np.array([[-0.5, -1.0], [-0.2, -3.0], [-0.7, -0.9]], dtype=np.float32)
+    entry = json.loads(json.dumps(encode_teacher_top(ids, logprobs)))
+    back = decode_teacher_top(entry)
+    assert (back[0] == ids).all() and (back[1] == logprobs).all()
+    sample, other = _sample(0, [-1.0, -1.0, -1.0]), _sample(0, [-1.0, -1.0, -1.0])
+    sample.metadata["teacher_top"] = other.metadata["teacher_top"] = entry
+    batch = groups_to_batch([Group(0, [sample, other])], "grpo", tp=1)
+    assert batch.teacher_top_ids.shape == batch.teacher_top_logprobs.shape == (2, 5, 2)  # [B, S-1, k]: S padded to 6
+    assert batch.teacher_top_ids[0, 1:4].tolist() == ids.tolist()  # position t predicts token t + 1
+    assert batch.teacher_top_logprobs[0, 1:4].tolist() == logprobs.tolist()
+    assert bool((batch.teacher_top_logprobs[0, 0] <= TOP_PAD_LOGPROB / 2).all())  # the prompt's position
+    assert batch.select(slice(1, 2)).teacher_top_ids.shape == (1, 5, 2)
+    del other.metadata["teacher_top"]
+    with pytest.raises(ValueError, match="1 of 2 samples carry no teacher top-k"):
+        groups_to_batch([Group(0, [sample, _sample(0, [-1.0, -1.0, -1.0])])], "grpo", tp=1)

@@ -85,6 +85,7 @@ def _run(cfg, buffer=None, rank0: bool = True, step: int = 0) -> TrainerLoop:
     run.control = Local(Control())
     run.sync = NoRosterChange()
     run.heartbeat = TrainerHeartbeat(None)
+    run.teachers = None
     return run
 
 
@@ -337,6 +338,7 @@ def _push_loop(model, lag: int):
     run.sync = RecordingSync(model)
     run.lagged = loop.LaggedWeights(model, lag)
     run.heartbeat = TrainerHeartbeat(None)
+    run.teachers = None
     return run
 
 
