@@ -17,17 +17,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
 import torch
 
 from megatron_rl.algorithms.metrics import mismatch_metrics
-from megatron_rl.models import family_for_hf_config, read_hf_config
 from megatron_rl.models.routes import decode_routes
-from megatron_rl.parallel.layout import ParallelLayout, check_layout_fits_model
+from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.parallel.torchrun import run_torchrun
 from megatron_rl.rollout.engine import EngineSpec, GenerationRequest
 from megatron_rl.rollout.pool import EnginePool
-from megatron_rl.rollout.ray_utils import start_local_ray
+from megatron_rl.verify.engine_phase import model_at_layout, on_local_ray
 from megatron_rl.verify.parity import parity_tokens
 from megatron_rl.weights.engine.worker import PERTURB_ROUTING, ROUTING_FLIPS
 from megatron_rl.weights.sync import ray_get_named
@@ -134,19 +132,8 @@ def _fraction(counts) -> float:
 def run_routing_check(hf_dir: str, layout: ParallelLayout, check: RoutingCheck | None = None) -> dict:
     """The whole check; the report (`passed`, and `failures` naming each target missed)."""
     check = check or RoutingCheck()
-    hf_config = read_hf_config(hf_dir)
-    family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
-    arch = family.arch_from_hf(hf_config, f"{hf_dir}/config.json")
-    check_layout_fits_model(layout, arch)
-    had_ray = ray.is_initialized()
-    start_local_ray()
-    start = time.perf_counter()
-    try:
-        rollouts = engine_rollouts(hf_dir, check, arch.vocab_size)
-    finally:
-        if not had_ray:  # a Ray this check started: its memory goes before the trainer starts
-            ray.shutdown()
-    engine_s = time.perf_counter() - start
+    family, arch = model_at_layout(hf_dir, layout)
+    rollouts, engine_s = on_local_ray(lambda: engine_rollouts(hf_dir, check, arch.vocab_size))
     tensors = sequences(rollouts, layout.tp)
     start = time.perf_counter()
     out = trainer_logprobs(hf_dir, layout, tensors, check)

@@ -13,17 +13,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import ray
 import torch
 
 from megatron_rl.algorithms.sampling_mask import SamplingMask
-from megatron_rl.models import family_for_hf_config, read_hf_config
-from megatron_rl.parallel.layout import ParallelLayout, check_layout_fits_model
+from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.rollout.engine import EngineSpec, GenerationRequest
 from megatron_rl.rollout.pool import EnginePool
-from megatron_rl.rollout.ray_utils import start_local_ray
 from megatron_rl.rollout.types import Sample
 from megatron_rl.trainer.batch import batch_kept_sets
+from megatron_rl.verify.engine_phase import model_at_layout, on_local_ray
 from megatron_rl.verify.parity import megatron_logprobs_many, parity_tokens
 from megatron_rl.weights.sync import ray_get_named
 
@@ -76,19 +74,8 @@ def engine_samples(hf_dir: str, check: MaskCheck, vocab_size: int) -> list:
 def run_sampling_mask_check(hf_dir: str, layout: ParallelLayout, check: MaskCheck | None = None) -> dict:
     """The whole check; the report (`passed`, and `failures` naming each target missed)."""
     check = check or MaskCheck()
-    hf_config = read_hf_config(hf_dir)
-    family = family_for_hf_config(hf_config, where=f"{hf_dir}/config.json")
-    arch = family.arch_from_hf(hf_config, f"{hf_dir}/config.json")
-    check_layout_fits_model(layout, arch)
-    had_ray = ray.is_initialized()
-    start_local_ray()
-    start = time.perf_counter()
-    try:
-        results = engine_samples(hf_dir, check, arch.vocab_size)
-    finally:
-        if not had_ray:  # a Ray this check started: its memory goes before the trainer starts
-            ray.shutdown()
-    engine_s = time.perf_counter() - start
+    family, arch = model_at_layout(hf_dir, layout)
+    results, engine_s = on_local_ray(lambda: engine_samples(hf_dir, check, arch.vocab_size))
     length = check.prompt_len + check.response_len
     padded = length + (-length) % layout.tp
     tokens = torch.zeros(len(results), padded, dtype=torch.long)
