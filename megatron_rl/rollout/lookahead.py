@@ -7,7 +7,8 @@ ahead is already enough to hide generation behind training when the engines keep
 
 `Lookahead` sizes it from what the buffer sees of the trainer: for each batch handed out, how long the trainer
 waited for it against the time since the previous one (its idle fraction). A wait above `target_idle` raises the
-lookahead by a quarter of a step (the trainer is starved: generation must start earlier); `patience` cycles in a
+lookahead by one prompt per multiple of the target past the first, up to a quarter of a step (the trainer is
+starved: generation must start earlier); `patience` cycles in a
 row without a wait worth counting (under half the target) lower it by one prompt (the groups were ready early:
 they could have been generated later, on newer weights). Lowering slowly and raising fast keeps the waits rare
 once the lookahead has found the edge: each probe below it costs one short wait. The bound stays `max_prompts` (= `max_staleness` steps), the floor 0
@@ -61,7 +62,10 @@ class Lookahead:
             return self.prompts
         idle = min(1.0, max(0.0, wait_s) / cycle_s)
         if idle > self.target_idle:
-            self.prompts = min(self.max_prompts, self.prompts + math.ceil(self.prompts_per_step / 4))
+            # Up to a quarter step for a long wait; one prompt for a wait just past the target (on a busy
+            # machine such waits come and go whatever the lookahead, and a quarter step each ratchets it up).
+            raise_by = min(math.ceil(self.prompts_per_step / 4), max(1, math.ceil(idle / self.target_idle) - 1))
+            self.prompts = min(self.max_prompts, self.prompts + raise_by)
             self.calm = 0
         elif idle < self.target_idle / 2:
             self.calm += 1

@@ -25,6 +25,12 @@ def test_a_starved_trainer_raises_it_fast_up_to_the_bound():
     assert la.prompts == 20  # never past max_staleness steps
 
 
+def test_a_wait_just_past_the_target_raises_it_one_prompt():
+    la = Lookahead(prompts_per_step=16, max_prompts=64, target_idle=0.05)
+    la.observe(0.0, None)
+    assert [la.observe(wait_s=w, cycle_s=1.0) for w in (0.06, 0.1, 0.12, 0.2, 0.9)] == [17, 18, 20, 23, 27]
+
+
 def test_a_fed_trainer_lowers_it_one_prompt_per_patience_cycles_down_to_zero():
     la = Lookahead(prompts_per_step=4, max_prompts=16, patience=3)
     la.observe(0.0, None)
