@@ -24,8 +24,9 @@ def local_offsets(model, ctx: ParallelContext, arch: ModelArch) -> tuple[int, in
 
 
 def local_tensors(model) -> dict[str, torch.Tensor]:
-    """Parameters plus the persistent buffers a checkpoint carries (the router's expert bias)."""
-    tensors = dict(model.named_parameters())
+    """Parameters plus the persistent buffers a checkpoint carries (the router's expert bias); LoRA adapters
+    (`X_lora.lora_A` / `lora_B`, which the HF checkpoint does not hold) are left out."""
+    tensors = {name: p for name, p in model.named_parameters() if "_lora." not in name}
     for name, buf in model.named_buffers():
         if name.endswith("router.expert_bias"):
             tensors[name] = buf

@@ -32,6 +32,7 @@ from megatron_rl.trainer.batch import TrainBatch, groups_to_batch, replica_share
 from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
 from megatron_rl.weights.export import export_hf_folder
+from megatron_rl.weights.lora_sync import merge_scale
 from megatron_rl.weights.recovery import RecoveringSync
 from megatron_rl.weights.snapshot import SnapshotTeachers
 from megatron_rl.weights.sync import TrainerWeightSync, engine_handles, ray_get_named
@@ -93,6 +94,7 @@ class TrainerLoop:
         sync = TrainerWeightSync(
             _WeightView(self.learner), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s,
             host=cfg.sync.bind_host, inflight=_inflight_mode(cfg), streams=cfg.sync.gloo_streams,
+            lora_scale=merge_scale(cfg.lora),  # with LoRA only the adapters travel
         )  # fmt: skip
         sync.setup()
         # As long as the launcher may take to find a hung engine and restart it.

@@ -305,3 +305,20 @@ def iter_adapter_tensors(model, arch: ModelArch, ctx: ParallelContext) -> Iterat
 def adapter_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """This rank's adapter parameters (local names): what the optimizer and DDP hold under LoRA."""
     return [(n.removeprefix("module."), p) for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in LORA_PARAMS]
+
+
+def owned_adapter_shapes(
+    model, arch: ModelArch, ctx: ParallelContext
+) -> list[tuple[str, tuple[int, ...], str, ParamRule]]:
+    """(HF / peft name, shape, dtype name, rule) of every adapter tensor this rank owns, in the order
+    `iter_adapter_tensors` yields them, from shapes alone (nothing is gathered; no communication)."""
+    out = []
+    for adapter in lora_adapters(model).values():
+        shapes = adapter.full_shapes
+        for param, rule, shape in zip((adapter.lora_A, adapter.lora_B), (adapter.rules.a, adapter.rules.b), shapes):
+            if not _is_owner(rule, ctx):
+                continue
+            meta = torch.empty(shape, dtype=param.dtype, device="meta")
+            for name, hf in zip(rule.hf, rule.to_hf(meta, arch), strict=True):
+                out.append((name, tuple(hf.shape), str(hf.dtype).removeprefix("torch."), rule))
+    return out

@@ -39,13 +39,17 @@ def run_sync_check(
     seq: int = 160,
     timeout_s: float = 300.0,
     kill_engine: str | None = None,
+    lora: dict | None = None,
+    lora_b_std: float = 0.05,
 ) -> dict:
     """Run the check and return the report (the last sync's figures at top level, every sync under `syncs`).
 
     `engine_tp` may list one size per engine; `engine_ep` (one flag, or one per engine) turns vLLM's expert
     parallelism on over an engine's tp x `engine_dp` workers, and `owner_aware` (default) sends each expert only to the workers that host it
     (else every tensor is broadcast to every worker). `kill_engine` (fault injection) kills that engine's actor
-    right before the last sync, which must then fail within `timeout_s` naming it.
+    right before the last sync, which must then fail within `timeout_s` naming it. `lora` (LoraConfig fields):
+    the trainer gets adapters on the checkpoint's base and each sync draws new ones (B normal(0, `lora_b_std`))
+    and sends only them (adapter-only sync, merged by the engines onto their W0).
     """
 
     hf_config = read_hf_config(hf_dir)
@@ -78,7 +82,7 @@ def run_sync_check(
                 "engines": [[h.name, h.workers] for h in pool.handles()], "bucket_bytes": int(bucket_mb * (1 << 20)),
                 "streams": GLOO_STREAMS, "timeout_s": timeout_s, "inflight": inflight, "syncs": syncs, "noise": noise, "batch": batch, "seq": seq,
                 "inflight_requests": inflight_requests, "inflight_tokens": inflight_tokens,
-                "kill_engine": kill_engine, "owner_aware": owner_aware,
+                "kill_engine": kill_engine, "owner_aware": owner_aware, "lora": lora, "lora_b_std": lora_b_std,
                 "out": str(Path(tmp) / "report.json"),
             }  # fmt: skip
             (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -119,6 +123,7 @@ def summarize(
         "bytes": report["plan"]["payload_bytes"],
         "buckets": report["plan"]["buckets"],
         "sync_seconds": last["sync_seconds"],
+        "sent_bytes_per_sync": [s["sent_bytes"] for s in report["syncs"]],
         "version": min(last["versions_reported"].values()),
         "versions_per_sync": [s["versions_reported"] for s in report["syncs"]],
         "received_in_place_per_sync": [s["received_in_place"] for s in report["syncs"]],

@@ -335,11 +335,29 @@ def plan_to_json(buckets: list[BucketSpec]) -> str:
     return json.dumps([dataclasses.asdict(b) for b in buckets])  # segments as [start, end, slot] dicts
 
 
-def plan_from_json(text: str) -> list[BucketSpec]:
-    """Inverse of `plan_to_json`."""
+LORA_PLAN_KEY = "lora_merge"
+"""The key under which an adapter-only plan's JSON carries what the engines merge with (`lora_plan_to_json`)."""
 
+
+def lora_plan_to_json(buckets: list[BucketSpec], scale: float) -> str:
+    """An adapter-only update's plan as JSON: the buckets (which carry peft-named LoRA tensors, not weights) and
+    the scale alpha / rank each engine merges `W0 + scale * B A` with (`weights/engine/lora_merge.py`)."""
+    return json.dumps({LORA_PLAN_KEY: {"scale": scale}, "buckets": [dataclasses.asdict(b) for b in buckets]})
+
+
+def lora_of_plan(text: str) -> dict | None:
+    """What an adapter-only plan's engines merge with (`{"scale": alpha / rank}`), or None for a weight plan."""
+    if not text.startswith("{"):
+        return None
+    return json.loads(text).get(LORA_PLAN_KEY)
+
+
+def plan_from_json(text: str) -> list[BucketSpec]:
+    """Inverse of `plan_to_json` (and of `lora_plan_to_json`, whose buckets it returns)."""
+
+    data = json.loads(text)
     buckets = []
-    for b in json.loads(text):
+    for b in data["buckets"] if isinstance(data, dict) else data:
         slots = tuple(
             Slot(s["name"], tuple(s["shape"]), s["dtype"], s["offset"], s["nbytes"], s.get("layout", ""))
             for s in b["slots"]

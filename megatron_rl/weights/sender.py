@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -84,15 +85,19 @@ def send_update(
     plan: list[BucketSpec],
     group: WeightGroup | None,
     version: int,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> dict:
-    """Gather this rank's tensors and broadcast its buckets on `group` (None for ranks that own nothing)."""
+    """Gather this rank's tensors and broadcast its buckets on `group` (None for ranks that own nothing).
+
+    `tensors`: what to send instead of the full weights, as (HF name, full tensor) in the plan's names (the LoRA
+    adapters of an adapter-only sync); every rank must pass its own (their gathers are collectives)."""
     start = time.perf_counter()
     mine = [b for b in plan if b.owner == ctx.rank]
     device = compute_device()
     buffers = send_buffers(max((b.nbytes for b in mine), default=0), device) if mine else None
     try:
         with bucket_io.leave_a_core_to_transport(device):
-            sent_bytes = _send_buckets(model, family, arch, ctx, mine, group, version, buffers)
+            sent_bytes = _send_buckets(model, family, arch, ctx, mine, group, version, buffers, tensors)
     except BaseException:
         _SEND_BUFFERS.clear()  # a failed send may leave work in flight on them: the next sync starts afresh
         raise
@@ -108,14 +113,16 @@ def _send_buckets(
     group: WeightGroup | None,
     version: int,
     buffers: bucket_io.DoubleBuffer | None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> int:
     """Gather (every rank), pack and send (owners) this rank's buckets in plan order; returns bytes sent."""
     filler = BucketFiller(mine, ctx.rank)
     sent_bytes = 0
-    tensors = itertools.chain(
-        iter_hf_tensors(model, family, arch, ctx, experts=False),
-        iter_hf_tensors(model, family, arch, ctx, experts=True),
-    )
+    if tensors is None:
+        tensors = itertools.chain(
+            iter_hf_tensors(model, family, arch, ctx, experts=False),
+            iter_hf_tensors(model, family, arch, ctx, experts=True),
+        )
     for name, tensor in tensors:
         for bucket, filled in filler.add(name, tensor):
             sent_bytes += _send_bucket(bucket, filled, group, version, buffers)

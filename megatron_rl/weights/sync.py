@@ -15,8 +15,17 @@ import torch.distributed as dist
 
 from megatron_rl.errors import UserError
 from megatron_rl.trainer.setup import TrainerRank
+from megatron_rl.weights.lora_sync import adapter_tensors, gather_adapter_specs
 from megatron_rl.weights.owners import PLACEMENT_KEY, Placement, PlacementError, expert_receivers, hosted_summary
-from megatron_rl.weights.plan import BucketSpec, TensorSpec, plan_buckets, plan_summary, plan_to_json, received_bytes
+from megatron_rl.weights.plan import (
+    BucketSpec,
+    TensorSpec,
+    lora_plan_to_json,
+    plan_buckets,
+    plan_summary,
+    plan_to_json,
+    received_bytes,
+)
 from megatron_rl.weights.sender import gather_specs, send_update
 from megatron_rl.weights.transport import (
     GLOO_STREAMS,
@@ -80,6 +89,7 @@ class TrainerWeightSync:
         inflight: str = "keep",
         streams: int = GLOO_STREAMS,
         owner_aware: bool = True,
+        lora_scale: float | None = None,
     ):
         self.rank = rank
         self.engines = engines
@@ -108,6 +118,9 @@ class TrainerWeightSync:
         """HF name -> the weight-group ranks it alone goes to (`weights/owners.py`; empty unless owner-aware)."""
         self._reports: dict[str, dict] = {}
         """Rank 0: the engines' reports of the last update (what the layouts and places are agreed from)."""
+        self.lora_scale = lora_scale
+        """Set (alpha / rank): an adapter-only sync (`lora.sync: merge`, `weights/lora_sync.py`): only the LoRA
+        adapters travel and the engines merge `W0 + lora_scale * B A` into their weights; None: full weights."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -131,7 +144,10 @@ class TrainerWeightSync:
         again from the expert placement every worker published there."""
         r = self.rank
         backend = default_backend()
-        self.specs = gather_specs(r.model, r.family, r.arch, r.ctx)
+        if self.lora_scale is None:
+            self.specs = gather_specs(r.model, r.family, r.arch, r.ctx)
+        else:
+            self.specs = gather_adapter_specs(r.model, r.arch, r.ctx)
         self.placements, self.receivers = {}, {}
         self._replan()
         senders = sorted({b.owner for b in self.plan})
@@ -233,7 +249,8 @@ class TrainerWeightSync:
                 )
         send_error = None
         try:
-            sent = send_update(r.model, r.family, r.arch, r.ctx, self.plan, self.group, version)
+            tensors = None if self.lora_scale is None else adapter_tensors(r.model, r.arch, r.ctx)
+            sent = send_update(r.model, r.family, r.arch, r.ctx, self.plan, self.group, version, tensors)
         except Exception as err:  # a transfer, packing or gathering failure: the engines' answers come first
             send_error = err if isinstance(err, TransportError) else f"{type(err).__name__}: {err}"
             sent = {}
@@ -259,7 +276,8 @@ class TrainerWeightSync:
         receivers, and its JSON."""
         min_bytes = unpacked_min_bytes(default_backend())
         self.plan = plan_buckets(self.specs, self.bucket_bytes, min_bytes, self.layouts, self.places, self.receivers)
-        self.plan_json = plan_to_json(self.plan)
+        lora = self.lora_scale is not None
+        self.plan_json = lora_plan_to_json(self.plan, self.lora_scale) if lora else plan_to_json(self.plan)
 
     def _follow_engines(self, agreed: tuple[dict, dict] | None, replan: bool = False) -> None:
         """Plan again, on every rank, when the wire layouts or places the engines reported changed (rank 0

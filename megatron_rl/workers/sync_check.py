@@ -13,6 +13,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config import LoraConfig
 from megatron_rl.models import sharding
 from megatron_rl.models.naming import canonical_name
 from megatron_rl.parallel.layout import ParallelLayout
@@ -20,6 +21,7 @@ from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords
 from megatron_rl.trainer.logprobs import forward_logprobs
+from megatron_rl.trainer.lora import add_lora, init_adapter_weights
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.verify.parity import parity_tokens
 from megatron_rl.weights.sync import EngineHandle, TrainerWeightSync, ray_get_named
@@ -108,6 +110,9 @@ def summarize_inflight(results, max_tokens: int) -> dict:
 def connect(spec: dict) -> tuple:
     """This rank's trainer at the spec's layout, the engines' handles (actors on rank 0) and the formed sync."""
     rank = bring_up_from_hf(spec["hf"], ParallelLayout(**spec["layout"]))
+    lora = LoraConfig(**spec["lora"]) if spec.get("lora") else None
+    if lora is not None:  # adapters on the loaded base: an adapter-only sync (the engines hold W0 already)
+        add_lora(rank.model, lora, rank.family, rank.arch, rank.ctx, seed=0)
     if rank.ctx.rank == 0:
         join_ray(spec["ray_address"])
     handles = [
@@ -116,14 +121,18 @@ def connect(spec: dict) -> tuple:
     ]
     sync = TrainerWeightSync(
         rank, handles, spec["bucket_bytes"], spec["timeout_s"], inflight=spec["inflight"], streams=spec["streams"],
-        owner_aware=spec.get("owner_aware", True),
+        owner_aware=spec.get("owner_aware", True), lora_scale=lora.scale if lora is not None else None,
     )  # fmt: skip
     return rank, handles, sync, sync.setup()
 
 
 def one_sync(rank, handles, sync, spec: dict, version: int, tokens: torch.Tensor) -> dict:
-    """Change the weights, push them as `version` (with requests in flight when asked), and compare (rank 0)."""
-    perturb_weights(rank, seed=version, scale=spec["noise"])
+    """Change the weights (with LoRA: draw new adapters, B non-zero), push them as `version` (with requests in
+    flight when asked), and compare (rank 0)."""
+    if spec.get("lora"):
+        init_adapter_weights(rank.model, rank.ctx, rank.arch, seed=version, b_std=spec["lora_b_std"])
+    else:
+        perturb_weights(rank, seed=version, scale=spec["noise"])
     reference = trainer_logprobs_on_rank0(rank, tokens)
     is_rank0 = rank.ctx.rank == 0
     entry: dict = {"version": version}
@@ -137,6 +146,9 @@ def one_sync(rank, handles, sync, spec: dict, version: int, tokens: torch.Tensor
             ray.kill(next(h.actor for h in handles if h.name == spec["kill_engine"]))
     dist.barrier()
     pushed = sync.push(version)
+    sent: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sent, pushed["sent"].get("bytes", 0))
+    entry["sent_bytes"] = sum(sent)  # every sender's buckets, each counted once
     if is_rank0:
         engines = pushed["engines"]
         entry["sync_seconds"] = pushed["seconds"]

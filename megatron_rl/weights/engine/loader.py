@@ -80,6 +80,8 @@ class InPlaceWeightLoader:
         self.expected_shapes = None if expected_shapes is None else {k: tuple(v) for k, v in expected_shapes.items()}
         self._repack = RepackPath(model) if mode == "repack" else None
         self._in_update = False
+        self.partial = False
+        """The current update carries only some layers (`begin_update`)."""
         self.timings = {"begin_s": 0.0, "load_s": 0.0, "repack_s": 0.0, "finish_s": 0.0}
         """Seconds spent in the phases of the current (or last) update."""
 
@@ -115,18 +117,21 @@ class InPlaceWeightLoader:
         if self._repack is not None:
             self._repack.prepare()
 
-    def begin_update(self) -> None:
+    def begin_update(self, partial: bool = False) -> None:
         """Start an update: in repack mode, swap every packed parameter for its staging parameter.
 
         Called by the first `load` of an update. Calling it again during an update starts that update over
         (as a retry after a failed transfer must: layers repacked in the failed attempt are swapped back).
+        `partial`: the update carries only some layers (a merged LoRA update): a packed layer it puts no tensor
+        into keeps its weights; one it fills in part is still an error at `finish`.
         """
         self._in_update = True
+        self.partial = partial
         self.timings = dict.fromkeys(self.timings, 0.0)
         if self._repack is None:
             return
         start = time.perf_counter()
-        self._repack.begin()
+        self._repack.begin(partial)
         self.timings["begin_s"] += time.perf_counter() - start
 
     @torch.no_grad()
@@ -162,6 +167,8 @@ class InPlaceWeightLoader:
         if repack is not None:
             repack.learn_routes(stats)
         loaded = self._check_bucket(stats)
+        if self.partial and repack is not None:
+            _check_staged(stats)
         processed = time.perf_counter()
         if repack is not None:
             repack.record_fills(stats)
@@ -263,6 +270,18 @@ class InPlaceWeightLoader:
         if self._repack is not None:
             counts = self._repack.describe()
         return {"mode": self.mode, "in_update": self._in_update, **counts}
+
+
+def _check_staged(stats: LoadStats) -> None:
+    """(Partial update, repack mode) WeightLoadError naming a tensor that went into no staging parameter: its
+    layer kept its weight through start-up, and only a full update processes those layers again."""
+    staged = {name for _, name in stats.fills}
+    unstaged = sorted(name for name, copied in stats.copied.items() if copied and name not in staged)
+    if unstaged:
+        raise WeightLoadError(
+            f"tensor(s) {unstaged[:5]} of a partial update (merged LoRA weights) landed in layers vLLM did not"
+            f" repack, which only a full update processes again"
+        )
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:

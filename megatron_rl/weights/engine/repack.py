@@ -103,6 +103,8 @@ class RepackPath:
         self._staging: dict[tuple[str, str], torch.Tensor] = {}
         self._layer_of: dict[StagedParam, Layer] = {}
         self._by_key: dict[tuple[str, str], StagedParam] = {}
+        self.partial = False
+        """The current update carries only some layers: those it leaves untouched keep their weights."""
 
     def prepare(self) -> None:
         """Make the staging parameters now, so that the first update does not wait for memory."""
@@ -112,9 +114,10 @@ class RepackPath:
             for name in names:
                 self._staging_for((module_name, name), recorded[name], modules[module_name])
 
-    def begin(self) -> None:
+    def begin(self, partial: bool = False) -> None:
         """Swap every packed parameter for its staging parameter; again during an update, start it over (the
-        live parameters saved by the first call are kept)."""
+        live parameters saved by the first call are kept). `partial`: see `InPlaceWeightLoader.begin_update`."""
+        self.partial = partial
         modules = dict(self.model.named_modules())
         previous = {(p.module_name, p.param_name): p.live for p in self.params}
         self.params, self.layers = [], []
@@ -261,13 +264,29 @@ class RepackPath:
     def finish(self) -> None:
         """Check the update was complete, process what is left, and put the live expert tensors back (the
         loader then re-runs attention processing)."""
+        if self.partial:
+            self._keep_untouched()
         self._check_complete()
         self.process_ready(final=True)
-        self._process_unstaged()
+        if not self.partial:  # a partial update loaded nothing into the layers that kept their weight
+            self._process_unstaged()
         for layer in self.layers:
             if layer.kind is LayerKind.EXPERTS_IN_PLACE and layer.state is not LayerState.WAITING:
                 for param in layer.params:
                     layer.module._parameters[param.param_name] = param.live
+
+    def _keep_untouched(self) -> None:
+        """(Partial update) put the live parameters back into every layer the update put no tensor into, and
+        leave those layers out of the update: their weights stay as they are."""
+        touched = []
+        for layer in self.layers:
+            if any(p.filled for p in layer.params):
+                touched.append(layer)
+                continue
+            for param in layer.params:
+                layer.module._parameters[param.param_name] = param.live
+        self.layers = touched
+        self.params = [p for layer in touched for p in layer.params]
 
     def end(self) -> None:
         """Drop the finished update's parameters and layers (the staging parameters and routes stay)."""

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.parallel.patches import applied_vllm_patches
+from megatron_rl.weights.engine.lora_merge import BaseWeights, LoraMerge
 from megatron_rl.weights.engine.receiver import WeightReceiver
 from megatron_rl.weights.engine.router_bias import RouterBias
 from megatron_rl.weights.engine.routes import RouteCapture
+from megatron_rl.weights.plan import lora_of_plan
 
 if TYPE_CHECKING:
     from megatron_rl.weights.engine.loader import InPlaceWeightLoader
@@ -100,7 +102,22 @@ class WeightUpdateExtension:
         load it in place, once the expert placement is checked to be the one the plan was made from."""
         receiver = self.mrl_weight_receiver()
         receiver.check_placement(self.mrl_expert_placement())
-        return receiver.receive(version, plan_json, self.mrl_weight_loader())
+        lora = lora_of_plan(plan_json)
+        if lora is None:
+            return receiver.receive(version, plan_json, self.mrl_weight_loader())
+        merge = self.mrl_lora_merge()
+        merge.scale = float(lora["scale"])
+        return {**receiver.receive(version, plan_json, merge), "lora": merge.describe()}
+
+    def mrl_lora_merge(self) -> LoraMerge:
+        """The worker's adapter-only updates (`lora_merge.py`): W0 of the checkpoint the engine started from, in
+        its dtype, merged with each update's adapters and loaded through the worker's loader."""
+        merge = getattr(self, "_mrl_lora_merge", None)
+        if merge is None:
+            model_config = self.model_runner.model_config
+            merge = LoraMerge(self.mrl_weight_loader(), BaseWeights(model_config.model, model_config.dtype))
+            self._mrl_lora_merge = merge
+        return merge
 
     def mrl_finish_weight_update(self) -> None:
         """End the current update (see `InPlaceWeightLoader.finish`)."""
