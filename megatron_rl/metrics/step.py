@@ -113,6 +113,7 @@ def collect_metrics(
         **{k: v for k, v in stats.items() if isinstance(v, (int, float))},
         "version": version,
         "sync/seconds": sync_report["seconds"],
+        "sync/received_bytes": received_bytes(sync_report),
         "time/step_s": step_s,
         "time/data_wait_s": t_data,
         "time/trainer_idle_frac": t_data / step_s if step_s else 0.0,
@@ -124,6 +125,13 @@ def collect_metrics(
         **_lookahead(buffer_stats),
         **dynamic,
     }
+
+
+def received_bytes(sync_report: dict) -> int:
+    """The most bytes one engine worker received in the step's weight push (0 when nothing was pushed): a full
+    update's weights, or with LoRA the adapters alone."""
+    workers = [w for e in sync_report.get("engines", {}).values() for w in e.get("workers", [])]
+    return max((int(w.get("bytes", 0)) for w in workers), default=0)
 
 
 def _lookahead(buffer_stats: dict) -> dict:

@@ -29,12 +29,13 @@ def write_hf_checkpoint(
 ) -> int:
     """(Every rank) write the model as a HF checkpoint into `out` (an existing, empty folder; the caller stages
     and renames it); `hf_side` is a folder with the config and tokenizer files to copy; `dtypes` (HF name ->
-    dtype name) restores each tensor's checkpoint dtype (default: the model's). Returns the bytes written."""
+    dtype name) restores each tensor's checkpoint dtype (default: the model's). A LoRA model is written merged
+    (`W0 + alpha/r B A` in every adapted weight). Returns the bytes written."""
     out = Path(out)
     dtypes = dtypes or {}
     writer = ShardedWriter(out, prefix=f"rank{ctx.rank:05d}")
     for experts in (False, True):
-        for name, tensor in iter_hf_tensors(model, family, arch, ctx, experts=experts):
+        for name, tensor in iter_hf_tensors(model, family, arch, ctx, experts=experts, merge_lora=True):
             target = getattr(torch, dtypes.get(name, str(tensor.dtype).removeprefix("torch.")))
             writer.add(name, tensor.to(target))
     shards, nbytes = writer.finish()

@@ -19,6 +19,7 @@ from megatron_rl.models import ModelArch, ModelFamily, ParamRule, sharding
 from megatron_rl.models.naming import canonical_name
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.hf_weights import local_offsets, local_tensors, rule_for, tp_coords, uses_te_spec
+from megatron_rl.trainer.lora import adapted_weights, merged_weight
 
 
 def expert_data_parallel_rank(ctx: ParallelContext) -> int:
@@ -46,15 +47,25 @@ def gather_full(tensor: torch.Tensor, rule: ParamRule, ctx: ParallelContext) -> 
 
 
 def iter_hf_tensors(
-    model, family: ModelFamily, arch: ModelArch, ctx: ParallelContext, experts: bool | None = None
+    model,
+    family: ModelFamily,
+    arch: ModelArch,
+    ctx: ParallelContext,
+    experts: bool | None = None,
+    merge_lora: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor this rank owns; `experts` True/False restricts to one pass.
 
-    A tied output layer is skipped (its HF tensor is the embedding's).
+    A tied output layer is skipped (its HF tensor is the embedding's). LoRA adapters are never yielded (the HF
+    checkpoint has no place for them); `merge_lora` yields each adapted weight as `W0 + alpha/r B A` instead of
+    its base `W0` (a merged export: each shard merged with its own adapter shards, then gathered).
     """
     table = family.rule_table(arch, te_spec=uses_te_spec(model))
     layer_offset, expert_offset = local_offsets(model, ctx, arch)
+    adapters = adapted_weights(model) if merge_lora else {}
     for local, tensor in local_tensors(model).items():
+        if local in adapters:
+            tensor = merged_weight(adapters[local], tensor)
         canonical = canonical_name(local, layer_offset, expert_offset)
         if canonical == "output_layer.weight" and arch.tie_word_embeddings:
             continue
