@@ -99,3 +99,14 @@ def test_distill_bench_reports_async_and_sync_tokens_per_s():
     assert result["sync"]["mean_staleness"] == 0
     ratio = result["async"]["trained_tokens_per_s"] / result["sync"]["trained_tokens_per_s"]
     assert result["trained_tokens_per_s_ratio"] == pytest.approx(ratio, rel=1e-2)
+
+
+@pytest.mark.slow
+def test_lora_sync_bench_reports_adapter_and_full_sync_bytes_and_seconds():
+    result = run_bench("lora_sync.py", "--hidden", "256", "--syncs", "2")
+    lora, full = result["lora"], result["full"]
+    assert full["bytes"] == result["model_parameters"] * 4  # fp32
+    assert lora["bytes"] <= lora["sent_bytes"] <= lora["bytes"] * 1.01  # the adapters, headers and alignment
+    assert result["bytes_ratio"] == pytest.approx(lora["sent_bytes"] / full["sent_bytes"], rel=1e-3) < 0.2
+    assert lora["sync_seconds"] > 0 and full["sync_seconds"] > 0
+    assert max(lora["max_abs_logprob_diff"], full["max_abs_logprob_diff"]) <= 1e-3

@@ -119,8 +119,10 @@ def merged(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, nam
             f"adapter of {name!r}: lora_B {list(b.shape)} @ lora_A {list(a.shape)} does not give the weight's shape"
             f" {list(w0.shape)}"
         )
-    delta = b.to(w0.device, torch.float32) @ a.to(w0.device, torch.float32)
-    return (w0.float() + scale * delta).to(w0.dtype)
+    a, b = a.to(w0.device, torch.float32), b.to(w0.device, torch.float32)
+    if w0.dtype == torch.float32:
+        return torch.addmm(w0, b, a, alpha=scale)  # one pass, a new tensor (W0 stays)
+    return torch.addmm(w0.float(), b, a, alpha=scale).to(w0.dtype)
 
 
 def by_layer(names: Iterable[str]) -> list[list[str]]:
