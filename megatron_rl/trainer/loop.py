@@ -33,6 +33,7 @@ from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
 from megatron_rl.weights.export import export_hf_folder
 from megatron_rl.weights.lora_sync import merge_scale
+from megatron_rl.weights.peft_export import PEFT_EXPORT_DIR, export_lora_adapter
 from megatron_rl.weights.recovery import RecoveringSync
 from megatron_rl.weights.snapshot import SnapshotTeachers
 from megatron_rl.weights.sync import TrainerWeightSync, engine_handles, ray_get_named
@@ -216,6 +217,8 @@ class TrainerLoop:
         model = unwrap_model(self.learner.state.model)
         with self.heartbeat.during(step, f"exporting the policy of step {step}"):
             nbytes = export_hf_folder(model, rank.family, rank.arch, rank.ctx, folder, self.cfg.model.hf_path)
+            if self.cfg.lora.enabled:  # the merged model above; the adapters alone beside it, for peft
+                export_lora_adapter(model, rank, self.cfg, folder.parent / PEFT_EXPORT_DIR)
         if self.is_rank0:
             log.info("exported the policy of step %d to %s (%.1f MB, %.1f s)", step, folder, nbytes / 2**20,
                      time.perf_counter() - start)  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from megatron_rl.config import load_config
@@ -14,6 +15,8 @@ from megatron_rl.launcher import run_training
 from megatron_rl.metrics.logger import read_metrics
 from megatron_rl.models import family_for_hf_config, read_hf_config
 from megatron_rl.models.lora import adapter_rule_table, hf_adapter_shapes
+from megatron_rl.verify.parity import hf_logprobs
+from tests.distributed.test_lora_export import peft_logprobs
 
 pytestmark = pytest.mark.e2e
 CONFIG = "configs/lora_quickstart.yaml"
@@ -79,3 +82,9 @@ def test_lora_quickstart_learns_within_ten_minutes(tmp_path):
     assert (out["model.embed_tokens.weight"] == base["model.embed_tokens.weight"]).all()  # no adapter there
     q = "model.layers.0.self_attn.q_proj.weight"
     assert (out[q] - base[q]).abs().max() > 1e-4  # merged: the adapters trained
+    # The adapters alone (RUN_DIR/adapter), loaded by peft onto the base, give the merged export's logprobs.
+    tokens = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    merged = hf_logprobs(exported, tokens)
+    adapted = peft_logprobs(f"{tmp_path}/tiny", str(tmp_path / "lora_quickstart" / "adapter"), tokens)
+    assert float((merged - adapted).abs().max()) <= 1e-4
+    assert float((merged - hf_logprobs(f"{tmp_path}/tiny", tokens)).abs().max()) > 1e-2

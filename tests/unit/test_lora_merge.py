@@ -123,3 +123,32 @@ def test_merge_scale_is_alpha_over_rank_and_refuses_the_vllm_mode():
     assert merge_scale(LoraConfig(rank=8, alpha=32)) == 4.0
     with pytest.raises(LoraSyncError, match="lora.sync='vllm'.*not built yet"):
         merge_scale(LoraConfig(rank=8, sync="vllm", targets=["linear_qkv"]))
+
+
+def test_peft_form_of_expert_adapters_and_the_refused_dense_mlp_on_an_moe_model():
+    from megatron_rl.weights.peft_export import PeftExportError, adapter_config, peft_tensors
+
+    gen = torch.Generator().manual_seed(4)
+    tensors = {}
+    for e in range(2):
+        a = torch.randn(3, 8, generator=gen)
+        stem = f"model.layers.1.mlp.experts.{e}"
+        tensors |= {f"{stem}.gate_proj.lora_A.weight": a, f"{stem}.up_proj.lora_A.weight": a}
+        tensors |= {f"{stem}.{p}.lora_B.weight": torch.randn(5, 3, generator=gen) for p in ("gate_proj", "up_proj")}
+    out = peft_tensors(tensors)
+    a, b = (
+        out["base_model.model.model.layers.1.mlp.experts.lora_A.weight"],
+        out["base_model.model.model.layers.1.mlp.experts.lora_B.weight"],
+    )
+    assert a.shape == (2 * 3, 8) and b.shape == (10, 3 * 2)
+    stem = "model.layers.1.mlp.experts.1"
+    gate_up = torch.cat([tensors[f"{stem}.gate_proj.lora_B.weight"], tensors[f"{stem}.up_proj.lora_B.weight"]])
+    # peft's ParamWrapper: expert e's A rows e*r.., its B columns k*E + e
+    assert torch.equal(a.reshape(2, 3, 8)[1], tensors[f"{stem}.gate_proj.lora_A.weight"])
+    assert torch.equal(b.reshape(10, 3, 2)[:, :, 1], gate_up)
+    config = adapter_config(LoraConfig(rank=3, alpha=6.0), tensors, "base", has_experts=True)
+    assert config["target_modules"] == [] and config["target_parameters"] == ["mlp.experts.gate_up_proj"]
+    dense = {"model.layers.0.mlp.down_proj.lora_A.weight": torch.zeros(3, 8)}
+    with pytest.raises(PeftExportError, match="dense MLP \\(down_proj\\) of a model with routed experts"):
+        adapter_config(LoraConfig(rank=3), dense, "base", has_experts=True)
+    assert adapter_config(LoraConfig(rank=3), dense, "base", has_experts=False)["target_modules"] == ["down_proj"]
