@@ -301,6 +301,8 @@ class Learner:
         """(Every rank) model, optimizer (layout-independent), LR scheduler and this rank's RNG into `folder`."""
         r = self.rank
         meta = {"family": r.family.name, "dtype": self.cfg.model.dtype, "layout": r.ctx.layout.describe(), "step": step}
+        if self.cfg.lora.enabled:  # the adapters in it, and the base they go on (`megatron-rl export`)
+            meta |= {"lora": self.cfg.lora.model_dump(mode="json"), "base_hf_path": str(self.cfg.model.hf_path)}
         extra = {"scheduler": self.state.scheduler.state_dict(), "step": step}
         save_checkpoint(
             self.state.model, r.ctx, folder, meta, hf_dir=self.cfg.model.hf_path, optimizer=self.state.optimizer,

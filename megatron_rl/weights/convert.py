@@ -57,7 +57,10 @@ def hf_to_mcore(
 def mcore_to_hf(
     mcore_dir: str, out: str, layout: ParallelLayout | None = None, overwrite: bool = False, timeout_s: float = 3600.0
 ) -> dict:
-    """Convert a Megatron distributed checkpoint back to sharded HF safetensors (loaded at `layout`, default 1)."""
+    """Convert a Megatron distributed checkpoint back to sharded HF safetensors (loaded at `layout`, default 1).
+
+    A LoRA run's checkpoint (its meta names the adapters) is written merged (`W0 + alpha/r B A`), with the
+    adapters alone as a PEFT folder in `out/adapter` (`weights/peft_export.py`)."""
     meta = read_meta(mcore_dir)
     hf_config = read_hf_config_of(mcore_dir)
     family = family_for_hf_config(hf_config, where=f"{mcore_dir}/hf/config.json")
@@ -65,6 +68,7 @@ def mcore_to_hf(
     check_layout_fits_model(layout, family.arch_from_hf(hf_config, f"{mcore_dir}/hf/config.json"))
     with staging_folder(out, overwrite=overwrite, protect=[mcore_dir]) as tmp:
         spec = {"direction": "mcore-to-hf", "mcore": str(mcore_dir), "out": str(tmp), "layout": layout.__dict__}
+        spec |= {"lora": meta.get("lora"), "base_hf_path": meta.get("base_hf_path")}  # a LoRA run's checkpoint
         timing = _launch(spec, layout.world_size, timeout_s)
         nbytes = json.loads((tmp / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     return {
@@ -74,4 +78,5 @@ def mcore_to_hf(
         **timing,
         "out": str(out),
         "source_layout": meta.get("layout"),
+        "lora": bool(meta.get("lora")),
     }

@@ -11,16 +11,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config import LoraConfig
 from megatron_rl.models import read_hf_config
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.parallel.layout import ParallelLayout
-from megatron_rl.trainer.checkpoint import HF_SIDE_DIR, read_meta, save_checkpoint
+from megatron_rl.trainer.checkpoint import HF_SIDE_DIR, load_checkpoint, read_hf_config_of, read_meta, save_checkpoint
 from megatron_rl.trainer.hf_weights import load_hf_into_model
+from megatron_rl.trainer.lora import add_lora
 from megatron_rl.trainer.model import BuildOptions
 from megatron_rl.trainer.save_strategy import InProcessTorchDistSaveStrategy
 from megatron_rl.trainer.setup import bring_up, bring_up_from_mcore
 from megatron_rl.weights.convert import TIMING_TAG
 from megatron_rl.weights.export import hf_dtypes, write_hf_checkpoint
+from megatron_rl.weights.peft_export import PEFT_EXPORT_DIR, export_peft_adapter
 from megatron_rl.workers import run_worker
 
 PHASES: dict[str, float] = {}
@@ -59,9 +62,20 @@ def phase(name: str) -> Iterator[None]:
 def mcore_to_hf(spec: dict) -> None:
     """Load the distributed checkpoint at this layout; every owner rank writes its tensors; rank 0 indexes."""
     meta = read_meta(spec["mcore"])
-    rank = bring_up_from_mcore(spec["mcore"], ParallelLayout(**spec["layout"]))
+    lora = LoraConfig(**spec["lora"]) if spec.get("lora") else None
+    if lora is None:
+        rank = bring_up_from_mcore(spec["mcore"], ParallelLayout(**spec["layout"]))
+    else:  # the model with its adapters (local spec), then the checkpoint: written merged, and the PEFT adapter
+        opts = BuildOptions(dtype=meta["dtype"], init_weights=False, use_te=False)
+        rank = bring_up(read_hf_config_of(spec["mcore"]), ParallelLayout(**spec["layout"]), opts)
+        add_lora(rank.model, lora, rank.family, rank.arch, rank.ctx)
+        load_checkpoint(rank.model, spec["mcore"])
     hf_side = Path(spec["mcore"]) / HF_SIDE_DIR
     write_hf_checkpoint(rank.model, rank.family, rank.arch, rank.ctx, spec["out"], hf_side, meta.get("hf_dtypes"))
+    if lora is not None:
+        base = spec.get("base_hf_path") or str(hf_side)
+        out = Path(spec["out"]) / PEFT_EXPORT_DIR
+        export_peft_adapter(rank.model, rank.family, rank.arch, rank.ctx, lora, out, base)
 
 
 def convert(spec: dict, startup_s: float) -> None:

@@ -15,7 +15,9 @@ from megatron_rl.launcher import run_training
 from megatron_rl.metrics.logger import read_metrics
 from megatron_rl.models import family_for_hf_config, read_hf_config
 from megatron_rl.models.lora import adapter_rule_table, hf_adapter_shapes
+from megatron_rl.run_state import step_dir
 from megatron_rl.verify.parity import hf_logprobs
+from megatron_rl.weights.convert import mcore_to_hf
 from tests.distributed.test_lora_export import peft_logprobs
 
 pytestmark = pytest.mark.e2e
@@ -61,7 +63,7 @@ def test_lora_quickstart_three_steps_push_adapters_only(tmp_path):
 
 @pytest.mark.slow
 def test_lora_quickstart_learns_within_ten_minutes(tmp_path):
-    cfg, summary, records = _run(tmp_path)
+    cfg, summary, records = _run(tmp_path, f"checkpoint.save_dir={tmp_path}/ckpt")  # saved after the last step
     assert len(records) == cfg.steps
     assert records[0]["reward/mean"] < 0.3, "reward should start near chance (about 0.06)"
     best = max(r["reward/mean"] for r in records)
@@ -88,3 +90,9 @@ def test_lora_quickstart_learns_within_ten_minutes(tmp_path):
     adapted = peft_logprobs(f"{tmp_path}/tiny", str(tmp_path / "lora_quickstart" / "adapter"), tokens)
     assert float((merged - adapted).abs().max()) <= 1e-4
     assert float((merged - hf_logprobs(f"{tmp_path}/tiny", tokens)).abs().max()) > 1e-2
+    # `megatron-rl export` of the run's last checkpoint: the same merged model, and the adapter in OUT/adapter.
+    report = mcore_to_hf(str(step_dir(tmp_path / "ckpt", cfg.steps)), str(tmp_path / "exported"))
+    assert report["lora"] is True
+    assert float((hf_logprobs(tmp_path / "exported", tokens) - merged).abs().max()) <= 1e-5
+    again = peft_logprobs(f"{tmp_path}/tiny", str(tmp_path / "exported" / "adapter"), tokens)
+    assert float((again - merged).abs().max()) <= 1e-4
