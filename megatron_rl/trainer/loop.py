@@ -336,7 +336,7 @@ def snapshot_teachers(cfg: RunConfig, spec: dict, learner: Learner, is_rank0: bo
         ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the teacher engines to start")
     sync = TrainerWeightSync(
         _WeightView(learner), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s, host=cfg.sync.bind_host,
-        inflight="keep", streams=cfg.sync.gloo_streams,
+        inflight="keep", streams=cfg.sync.gloo_streams, lora_scale=merge_scale(cfg.lora),  # they start from W0 too
     )  # fmt: skip
     teachers = SnapshotTeachers(sync, cfg.distill.refresh_every, max_failures=cfg.rollout.max_engine_restarts + 1)
     teachers.setup()
