@@ -42,6 +42,8 @@ def test_adapter_only_sync_from_tp2xep2_gives_the_trainers_logprobs(tmp_path):
         hf, ParallelLayout(tp=2, ep=2), engines=2, engine_tp=[2, 1], engine_ep=[True, False], syncs=2,
         bucket_mb=0.5, lora=LORA, lora_b_std=0.1,
     )  # fmt: skip
+    print("lora sync:", {k: report[k] for k in ("max_abs_logprob_diff", "mean_abs_logprob_diff", "bytes",
+          "sent_bytes_per_sync", "max_abs_logprob_diff_before_sync", "received_bytes")})  # fmt: skip
     assert report["num_tokens"] >= 512
     assert report["max_abs_logprob_diff_before_sync"] > 0.05, report  # the adapters change the model
     for entry in report["syncs"]:  # both syncs, each merged onto W0
