@@ -21,6 +21,9 @@ from megatron_rl.weights.sync import SyncError, TrainerWeightSync, engine_handle
 
 log = logging.getLogger(__name__)
 
+READY_POLL_S = 5.0
+"""How long one look at a restarted teacher waits for its vLLM to have started (it is asked again later)."""
+
 
 class SnapshotTeachers:
     """The teacher engines' weight sync and when it runs (module docstring). Construct on every rank."""
@@ -74,11 +77,12 @@ class SnapshotTeachers:
         return {"reform": reform}
 
     def _all_ready(self) -> bool:
-        """(Rank 0) whether every teacher's actor exists and its vLLM has started."""
+        """(Rank 0) whether every teacher's actor exists and its vLLM has started; asks for at most
+        `READY_POLL_S`, so that the trainer's wait for a batch goes on polling while a teacher starts."""
         try:
             handles = engine_handles([(h.name, h.workers) for h in self.sync.engines], True)
-            futures = [h.actor.ready.remote(self.sync.timeout_s) for h in handles]
-            ray.get(futures, timeout=self.sync.timeout_s + 30)
+            futures = [h.actor.ready.remote(READY_POLL_S) for h in handles]
+            ray.get(futures, timeout=READY_POLL_S + 5)
         except Exception as err:  # a teacher still being restarted: the next poll tries again
             log.info("teacher refresh waits for the teachers: %s", err)
             return False
