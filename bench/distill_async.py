@@ -13,15 +13,15 @@ The runs alternate (sync, async, sync, ...) so that the machine's drift falls on
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 from megatron_rl.rollout.ray_env import prefer_loopback_ray
 
 prefer_loopback_ray()  # a local Ray on loopback only: before anything below imports ray
+
+from _rounds import alternate, rounds_parser, steady_state  # noqa: E402
 
 from megatron_rl.config import load_config  # noqa: E402
 from megatron_rl.launcher import run_training  # noqa: E402
@@ -40,9 +40,8 @@ def run(mode: str, steps: int, root: str, name: str, teacher: Path) -> dict:
          f"distill.teacher_path={teacher}", "checkpoint.export_final=false"],
     )  # fmt: skip
     run_training(cfg)
+    steady, wall = steady_state(f"{root}/{name}/metrics.jsonl", SKIP)
     records = read_metrics(f"{root}/{name}/metrics.jsonl")
-    steady = records[SKIP:]
-    wall = records[-1]["wall_s"] - records[SKIP - 1]["wall_s"]
     return {
         "trained_tokens_per_s": sum(r["rollout/tokens"] for r in steady) / wall,
         "trainer_idle_frac": statistics.mean(r["time/trainer_idle_frac"] for r in steady),
@@ -55,19 +54,18 @@ def run(mode: str, steps: int, root: str, name: str, teacher: Path) -> dict:
 
 def main() -> None:
     """Run both modes `--rounds` times each, alternating, and print the comparison."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=1)
+    parser = rounds_parser(__doc__, 16)
     args = parser.parse_args()
     if args.steps <= SKIP + 1:
         parser.error(f"--steps must be above {SKIP + 1} (the first {SKIP} are start-up)")
-    runs: dict[str, list[dict]] = {"sync": [], "async": []}
-    with tempfile.TemporaryDirectory(prefix="mrl-bench-distill-") as root:
-        teacher = make_tiny("qwen3_moe", Path(root) / "teacher", seed=7)
-        for round_ in range(args.rounds):
-            for mode in runs:
-                runs[mode].append(run(mode, args.steps, root, f"{mode}{round_}", teacher))
-    mean = {mode: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
+
+    def run_mode(mode: str, root: str, name: str) -> dict:
+        teacher = Path(root) / "teacher"
+        if not teacher.exists():
+            make_tiny("qwen3_moe", teacher, seed=7)
+        return run(mode, args.steps, root, name, teacher)
+
+    mean = alternate(("sync", "async"), args.rounds, "mrl-bench-distill-", run_mode)
     ratio = mean["async"]["trained_tokens_per_s"] / mean["sync"]["trained_tokens_per_s"]
     print(json.dumps({
         "config": CONFIG, "steps": args.steps, "rounds": args.rounds, "steady_from_step": SKIP + 1,

@@ -11,18 +11,17 @@ is steps 6..N: the adaptive lookahead starts one step ahead and needs a few batc
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import tempfile
 
 from megatron_rl.rollout.ray_env import prefer_loopback_ray
 
 prefer_loopback_ray()  # a local Ray on loopback only: before anything below imports ray
 
+from _rounds import alternate, rounds_parser, steady_state  # noqa: E402
+
 from megatron_rl.config import load_config  # noqa: E402
 from megatron_rl.launcher import run_training  # noqa: E402
-from megatron_rl.metrics.logger import read_metrics  # noqa: E402
 
 SKIP = 5  # start-up steps left out of the steady state
 
@@ -35,9 +34,7 @@ def run(lookahead: str, steps: int, root: str, name: str) -> dict:
          f"model.hf_path={root}/tiny"],
     )  # fmt: skip
     run_training(cfg)
-    records = read_metrics(f"{root}/{name}/metrics.jsonl")
-    steady = records[SKIP:]
-    wall = records[-1]["wall_s"] - records[SKIP - 1]["wall_s"]
+    steady, wall = steady_state(f"{root}/{name}/metrics.jsonl", SKIP)
     return {
         "tokens_per_s": sum(r["rollout/tokens"] for r in steady) / wall,
         "mean_staleness": statistics.mean(r["staleness/mean"] for r in steady),
@@ -46,22 +43,15 @@ def run(lookahead: str, steps: int, root: str, name: str) -> dict:
         "lookahead_prompts_mean": statistics.mean(
             r.get("buffer/lookahead", cfg.buffer.max_staleness * cfg.prompts_per_step) for r in steady
         ),
-        "reward_last": records[-1]["reward/mean"],
+        "reward_last": steady[-1]["reward/mean"],
     }
 
 
 def main() -> None:
     """Run both lookaheads `--rounds` times each, alternating, and print the comparison."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=1)
-    args = parser.parse_args()
-    runs: dict[str, list[dict]] = {"max": [], "adaptive": []}
-    with tempfile.TemporaryDirectory(prefix="mrl-bench-lookahead-") as root:
-        for round_ in range(args.rounds):
-            for mode in runs:
-                runs[mode].append(run(mode, args.steps, root, f"{mode}{round_}"))
-    mean = {mode: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
+    args = rounds_parser(__doc__, 40).parse_args()
+    mean = alternate(("max", "adaptive"), args.rounds, "mrl-bench-lookahead-",
+                     lambda mode, root, name: run(mode, args.steps, root, name))  # fmt: skip
     ratio = mean["adaptive"]["tokens_per_s"] / mean["max"]["tokens_per_s"]
     print(json.dumps({
         "config": "configs/quickstart.yaml", "steps": args.steps, "rounds": args.rounds, "steady_from_step": SKIP + 1,
