@@ -48,7 +48,7 @@ class LoraConfig(Section):
     sync: Literal["merge", "vllm"] = "merge"
     """How the engines apply synced adapters: `merge` (each engine keeps W0 and loads W0 + alpha/r B A in place:
     every target, experts included, full inference speed) or `vllm` (a vLLM LoRA adapter: dense targets only, as
-    vLLM's fused MoE kernels take no LoRA on CPU)."""
+    vLLM's fused MoE kernels take no LoRA on CPU; an engine on a model with routed experts refuses to start)."""
 
     @property
     def enabled(self) -> bool:

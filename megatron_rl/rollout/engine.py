@@ -22,6 +22,7 @@ import numpy as np
 from megatron_rl.errors import UserError
 from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_routes, kept_set_row, teacher_top_row
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+from megatron_rl.rollout.engine_lora import EngineLora
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
     DROP_ROUTES,
@@ -83,6 +84,8 @@ class EngineSpec:
     max_logprobs: int = 20
     """Most logprobs a request may ask for per token (vLLM's `max_logprobs`, its default 20): at least top_k + 1
     for requests that return their kept sets (`GenerationRequest.return_kept_sets`)."""
+    lora_rank: int = 0
+    """`lora.sync: vllm`: serve synced adapters (rank up to this) as a vLLM LoRA adapter (`engine_lora.py`); 0: off."""
 
 
 @dataclasses.dataclass
@@ -194,6 +197,7 @@ class VLLMEngine:
         self._busy_since: float | None = None
         native = spec.native_routes if spec.native_routes is not None else _on_gpu()
         self._native_routes = spec.capture_routes and native
+        self._lora = EngineLora(spec.name, spec.model_path, spec.lora_rank)
 
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
@@ -228,7 +232,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
         )
         try:
-            self._llm = vllm.AsyncLLM.from_engine_args(args)
+            self._llm = vllm.AsyncLLM.from_engine_args(dataclasses.replace(args, **self._lora.engine_args()))
         except BaseException as err:
             self._start_error = f"{type(err).__name__}: {err}"
             raise
@@ -236,6 +240,7 @@ class VLLMEngine:
             self._started.set()
         if self.spec.capture_routes and not self._native_routes:
             await self.collective_rpc(START_ROUTE_CAPTURE, timeout=self.spec.rpc_timeout_s)
+        await self._lora.start(self, self.spec.rpc_timeout_s)
         return await self.health()
 
     async def ready(self, timeout_s: float = 600.0) -> dict:
@@ -321,7 +326,7 @@ class VLLMEngine:
                 finish = None
                 self._running.add(sub_id)
                 try:
-                    async for out in llm.generate(prompt, params, sub_id):
+                    async for out in llm.generate(prompt, params, sub_id, **self._lora.request_kwargs()):
                         completion = out.outputs[0]
                         new = list(completion.token_ids)
                         tokens += new
@@ -402,7 +407,8 @@ class VLLMEngine:
         async def one(seq: list[int]) -> tuple[list[float], list | None]:
             """The logprobs of one sequence (and its top-k rows)."""
             final = None
-            async for out in llm.generate({"prompt_token_ids": list(seq)}, params, uuid.uuid4().hex):
+            lora = self._lora.request_kwargs()
+            async for out in llm.generate({"prompt_token_ids": list(seq)}, params, uuid.uuid4().hex, **lora):
                 final = out
             entries = final.prompt_logprobs[1:]
             given = [_sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
@@ -470,8 +476,9 @@ class VLLMEngine:
             start = time.perf_counter()
             self._resume_wait_s = timeout_s + RESUME_WAIT_MARGIN_S
             try:
-                await self.pause(inflight)
+                await self.pause(self._lora.pause_mode(inflight))
                 results = await self.collective_rpc(RECEIVE_UPDATE, args=(version, plan_json), timeout=timeout_s)
+                await self._lora.activate(self._llm, version, results, timeout_s)  # lora.sync=vllm: its new adapter
                 if self._native_routes:
                     await self.reset_prefix_cache()
             except BaseException as err:
@@ -488,6 +495,7 @@ class VLLMEngine:
                 "version": version,
                 "seconds": time.perf_counter() - start,
                 "workers": results,
+                **({"lora": self._lora.describe()} if self._lora.enabled else {}),  # the adapter now served
             }
 
     async def reset_prefix_cache(self) -> None:
@@ -538,6 +546,7 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._lora.shutdown()
 
 
 async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:

@@ -49,7 +49,8 @@ def run_sync_check(
     (else every tensor is broadcast to every worker). `kill_engine` (fault injection) kills that engine's actor
     right before the last sync, which must then fail within `timeout_s` naming it. `lora` (LoraConfig fields):
     the trainer gets adapters on the checkpoint's base and each sync draws new ones (B normal(0, `lora_b_std`))
-    and sends only them (adapter-only sync, merged by the engines onto their W0).
+    and sends only them (adapter-only sync, merged by the engines onto their W0; with `sync: vllm` served as a
+    vLLM LoRA adapter instead).
     """
 
     hf_config = read_hf_config(hf_dir)
@@ -70,6 +71,7 @@ def run_sync_check(
             expert_parallel=eps[i],
             max_model_len=1024,
             seed=i,
+            lora_rank=lora["rank"] if lora and lora.get("sync") == "vllm" else 0,
         )
         for i in range(engines)
     ]

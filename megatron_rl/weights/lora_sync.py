@@ -1,11 +1,13 @@
-"""Adapter-only weight sync (`lora.sync: merge`), trainer side: what the plan is made from and what is sent.
+"""Adapter-only weight sync (`lora.sync: merge` and `vllm`), trainer side: what the plan is made from and what is sent.
 
 With LoRA the base weights never change, and every engine starts from the base HF checkpoint, which is `W0`. So
 an update carries only the adapters, under peft's names (`model.layers.0.self_attn.q_proj.lora_A.weight`: a fused
 q/k/v or gate/up layer's shared A once per HF module, B split into the modules' rows; experts per expert), each
 full tensor from exactly one owner rank (`trainer.lora.iter_adapter_tensors`). The engines merge
 `W0 + scale * B A` from a kept copy of `W0` and load the merged HF weights in place
-(`weights/engine/lora_merge.py`); the plan's JSON tells them the scale (`plan.lora_plan_to_json`).
+(`weights/engine/lora_merge.py`), or with `lora.sync: vllm` serve them as a vLLM LoRA adapter
+(`weights/engine/lora_adapter.py`, `rollout/engine_lora.py`); the plan's JSON tells them the scale
+(`plan.lora_plan_to_json`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from megatron_rl.weights.plan import TensorSpec
 
 
 class LoraSyncError(UserError, RuntimeError):
-    """An adapter-only sync that cannot be made: a model without adapters, or a sync mode not built."""
+    """An adapter-only sync that cannot be made: a model without adapters."""
 
 
 def owned_adapter_specs(model, arch: ModelArch, ctx: ParallelContext) -> list[TensorSpec]:
@@ -59,13 +61,8 @@ def adapter_bytes(specs: list[TensorSpec]) -> int:
 
 
 def merge_scale(lora: LoraConfig) -> float | None:
-    """The scale an adapter-only sync merges with (alpha / rank), or None for a full sync (LoRA off);
-    LoraSyncError for `lora.sync: vllm`, which is not built yet."""
+    """The scale of an adapter-only sync (alpha / rank), or None for a full sync (LoRA off). Both engine modes
+    take it: `merge` merges W0 + scale B A, `vllm` writes it into the PEFT folder's `lora_alpha` (scale * r)."""
     if not lora.enabled:
         return None
-    if lora.sync != "merge":
-        raise LoraSyncError(
-            f"lora.sync={lora.sync!r}: the engines take adapters as a vLLM LoRA adapter is not built yet; use"
-            f" lora.sync=merge (W0 + alpha/r B A merged into the engines' weights)"
-        )
     return lora.scale

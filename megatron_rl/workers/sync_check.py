@@ -157,6 +157,10 @@ def one_sync(rank, handles, sync, spec: dict, version: int, tokens: torch.Tensor
             name: sum(w.get("in_place", 0) for w in r["workers"]) for name, r in engines.items()
         }
         entry["received_bytes"] = received_per_worker(engines)
+        entry["lora"] = {  # adapter-only syncs: what each engine serves (vllm mode) and its workers' reports
+            name: {"served": r.get("lora"), "workers": [w.get("lora") for w in r["workers"]]}
+            for name, r in engines.items()
+        }
         entry["after"] = engine_diffs(handles, tokens, reference, spec["timeout_s"])
         results = ray.get(inflight, timeout=spec["timeout_s"]) if inflight else None
         entry["inflight"] = summarize_inflight(results, spec["inflight_tokens"]) if results else None

@@ -15,7 +15,7 @@ from megatron_rl.weights.engine.lora_merge import (
     by_layer,
     merged,
 )
-from megatron_rl.weights.lora_sync import LoraSyncError, merge_scale
+from megatron_rl.weights.lora_sync import merge_scale
 from megatron_rl.weights.plan import (
     TensorSpec,
     lora_of_plan,
@@ -118,11 +118,10 @@ def test_lora_plan_json_carries_the_scale_and_the_same_buckets():
     assert lora_of_plan(plan_to_json(buckets)) is None
 
 
-def test_merge_scale_is_alpha_over_rank_and_refuses_the_vllm_mode():
+def test_merge_scale_is_alpha_over_rank_in_both_engine_modes():
     assert merge_scale(LoraConfig()) is None
     assert merge_scale(LoraConfig(rank=8, alpha=32)) == 4.0
-    with pytest.raises(LoraSyncError, match="lora.sync='vllm'.*not built yet"):
-        merge_scale(LoraConfig(rank=8, sync="vllm", targets=["linear_qkv"]))
+    assert merge_scale(LoraConfig(rank=8, alpha=32, sync="vllm", targets=["linear_qkv"])) == 4.0
 
 
 def test_peft_form_of_expert_adapters_and_the_refused_dense_mlp_on_an_moe_model():

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.parallel.patches import applied_vllm_patches
+from megatron_rl.weights.engine.lora_adapter import LoraAdapterFolder
 from megatron_rl.weights.engine.lora_merge import BaseWeights, LoraMerge
 from megatron_rl.weights.engine.receiver import WeightReceiver
 from megatron_rl.weights.engine.router_bias import RouterBias
@@ -105,9 +106,19 @@ class WeightUpdateExtension:
         lora = lora_of_plan(plan_json)
         if lora is None:
             return receiver.receive(version, plan_json, self.mrl_weight_loader())
-        merge = self.mrl_lora_merge()
+        folder = getattr(self, "_mrl_lora_folder", None)  # lora.sync=vllm: a PEFT folder for vLLM, no merge
+        merge = folder if folder is not None else self.mrl_lora_merge()
         merge.scale = float(lora["scale"])
+        if folder is not None:
+            folder.version = version
         return {**receiver.receive(version, plan_json, merge), "lora": merge.describe()}
+
+    def mrl_set_lora_folder(self, root: str) -> dict:
+        """Serve adapter-only updates as vLLM LoRA adapters from now on (`lora.sync: vllm`, `lora_adapter.py`):
+        the engine's first worker writes each as a PEFT folder under `root`; the others only check theirs."""
+        writes = self.mrl_worker_index() == 0
+        self._mrl_lora_folder = LoraAdapterFolder(root, writes, self.model_runner.model_config.model)
+        return {"root": root, "writes": writes}
 
     def mrl_lora_merge(self) -> LoraMerge:
         """The worker's adapter-only updates (`lora_merge.py`): W0 of the checkpoint the engine started from, in
@@ -174,6 +185,8 @@ INIT_WEIGHT_GROUPS = WeightUpdateExtension.mrl_init_weight_groups.__name__
 """RPC: join the trainer senders' weight groups (args: groups JSON, rank offset, timeout in seconds)."""
 RECEIVE_UPDATE = WeightUpdateExtension.mrl_receive_update.__name__
 """RPC: receive and load one whole update (args: version, plan JSON); returns the worker's report."""
+SET_LORA_FOLDER = WeightUpdateExtension.mrl_set_lora_folder.__name__
+"""RPC: take adapter-only updates as vLLM LoRA adapters written under a folder (args: the folder)."""
 FINISH_WEIGHT_UPDATE = WeightUpdateExtension.mrl_finish_weight_update.__name__
 """RPC: end the current update (after loads made by other RPCs)."""
 DESCRIBE_WEIGHT_LOADER = WeightUpdateExtension.mrl_describe_weight_loader.__name__
