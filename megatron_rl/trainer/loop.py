@@ -88,15 +88,7 @@ class TrainerLoop:
         self.step = self.learner.load(Path(resume)) if resume else 0
         self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
         self.end_message = ""
-        handles = engine_handles(spec["engines"], self.is_rank0)
-        if self.is_rank0:  # the launcher starts the engines while the trainer loads
-            ready = {h.name: h.actor.ready.remote(cfg.sync.timeout_s) for h in handles}
-            ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the engines to start")
-        sync = TrainerWeightSync(
-            _WeightView(self.learner), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s,
-            host=cfg.sync.bind_host, inflight=_inflight_mode(cfg), streams=cfg.sync.gloo_streams,
-            lora_scale=merge_scale(cfg.lora),  # with LoRA only the adapters travel
-        )  # fmt: skip
+        sync = engine_sync(cfg, self.learner, spec["engines"], self.is_rank0, _inflight_mode(cfg), "engines")
         sync.setup()
         # As long as the launcher may take to find a hung engine and restart it.
         restart_wait_s = cfg.rollout.hang_timeout_s + cfg.rollout.restart_timeout_s
@@ -326,18 +318,24 @@ TEACHER_METER_KEYS = ("distill/teacher_idle_frac", None, "distill/teachers_answe
 """The teacher engines' `EngineMeter` metrics (they generate no tokens)."""
 
 
+def engine_sync(cfg: RunConfig, learner: Learner, engines: list, is_rank0: bool, inflight: str, what: str):
+    """(Every rank) a `TrainerWeightSync` to the named engines `[(name, workers), ...]` once rank 0 saw them start
+    (the launcher starts them while the trainer loads); with LoRA only the adapters travel (the engines hold W0)."""
+    handles = engine_handles(engines, is_rank0)
+    if is_rank0:
+        ready = {h.name: h.actor.ready.remote(cfg.sync.timeout_s) for h in handles}
+        ray_get_named(ready, cfg.sync.timeout_s + 30, f"waiting for the {what} to start")
+    return TrainerWeightSync(
+        _WeightView(learner), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s, host=cfg.sync.bind_host,
+        inflight=inflight, streams=cfg.sync.gloo_streams, lora_scale=merge_scale(cfg.lora),
+    )  # fmt: skip
+
+
 def snapshot_teachers(cfg: RunConfig, spec: dict, learner: Learner, is_rank0: bool) -> SnapshotTeachers | None:
     """(Every rank) the snapshot teachers' weight sync, formed (`distill.teacher: snapshot`); else None."""
     if cfg.distill.teacher != "snapshot":
         return None
-    handles = engine_handles(spec["teachers"], is_rank0)
-    if is_rank0:
-        ready = {h.name: h.actor.ready.remote(cfg.sync.timeout_s) for h in handles}
-        ray_get_named(ready, cfg.sync.timeout_s + 30, "waiting for the teacher engines to start")
-    sync = TrainerWeightSync(
-        _WeightView(learner), handles, cfg.sync.bucket_mb << 20, cfg.sync.timeout_s, host=cfg.sync.bind_host,
-        inflight="keep", streams=cfg.sync.gloo_streams, lora_scale=merge_scale(cfg.lora),  # they start from W0 too
-    )  # fmt: skip
+    sync = engine_sync(cfg, learner, spec["teachers"], is_rank0, "keep", "teacher engines")
     teachers = SnapshotTeachers(sync, cfg.distill.refresh_every, max_failures=cfg.rollout.max_engine_restarts + 1)
     teachers.setup()
     return teachers
