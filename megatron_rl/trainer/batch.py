@@ -242,14 +242,19 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     )  # fmt: skip
 
 
+def _all_or_none(samples: Sequence, key: str, what: str) -> bool:
+    """Whether the samples carry `metadata[key]`: all do (True) or none (False); ValueError naming `what` else."""
+    carried = [key in s.metadata for s in samples]
+    if any(carried) and not all(carried):
+        raise ValueError(f"{carried.count(False)} of {len(samples)} samples carry no {what} (all or none must)")
+    return bool(carried) and all(carried)
+
+
 def batch_teacher_top(samples: Sequence, seq: int) -> tuple[Tensor | None, Tensor | None]:
     """(`[B, S-1, k]` ids, logprobs) of the teacher's top k at each response position, from the samples'
     `metadata["teacher_top"]` (all or none carry them); (None, None) when none do."""
-    carried = ["teacher_top" in s.metadata for s in samples]
-    if not any(carried):
+    if not _all_or_none(samples, "teacher_top", "teacher top-k"):
         return None, None
-    if not all(carried):
-        raise ValueError(f"{carried.count(False)} of {len(samples)} samples carry no teacher top-k (all or none must)")
     rows = [decode_teacher_top(s.metadata["teacher_top"]) for s in samples]
     widths = {ids.shape[1] for ids, _ in rows}
     if len(widths) != 1:
@@ -269,11 +274,8 @@ def batch_teacher_top(samples: Sequence, seq: int) -> tuple[Tensor | None, Tenso
 def batch_routes(samples: Sequence, seq: int) -> tuple[Tensor | None, Tensor | None]:
     """(`[B, S, L, k]` routes, `[B, S]` free mask) from the samples' `metadata["routes"]` (all or none carry them),
     row r position t the experts that computed token t of prompt + response; (None, None) when none carry them."""
-    carried = ["routes" in s.metadata for s in samples]
-    if not any(carried):
+    if not _all_or_none(samples, "routes", "routes"):
         return None, None
-    if not all(carried):
-        raise ValueError(f"{carried.count(False)} of {len(samples)} samples carry no routes (all or none must)")
     rows = [decode_routes(s.metadata["routes"]) for s in samples]
     shapes = {r.shape[1:] for r in rows}
     if len(shapes) != 1:
