@@ -69,7 +69,14 @@ class TrainerConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer settings."""
     micro_batch_size: int = Field(1, ge=1)
-    """Sequences per micro-batch."""
+    """Sequences per micro-batch (when `micro_batch_tokens` is 0)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Tokens per micro-batch: padded micro-batches get as many sequences as fit (the largest divisor of the
+    mini-batch share), packed ones as many whole sequences as fit; 0 uses `micro_batch_size` sequences (packed:
+    `micro_batch_size` x the padded sequence length)."""
+    pack_sequences: bool = False
+    """Pack whole sequences end to end into one row per micro-batch (attention stays within each; no padding
+    between them) in the training and logprob passes, instead of right-padding every one to the longest."""
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """Megatron MoE token dispatcher."""
     moe_aux_loss_coeff: float | None = Field(None, ge=0)

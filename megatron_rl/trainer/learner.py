@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 from pathlib import Path
 
@@ -34,8 +33,10 @@ from megatron_rl.trainer.batch import TrainBatch, replica_rows
 from megatron_rl.trainer.checkpoint import load_checkpoint, load_rng, save_checkpoint, save_rng
 from megatron_rl.trainer.hf_weights import load_hf_into_model
 from megatron_rl.trainer.lora import AdaptersOff, add_lora
+from megatron_rl.trainer.micro_batches import plan_micro_batches
 from megatron_rl.trainer.model import BuildOptions, build_gpt_model
 from megatron_rl.trainer.optimizer import TrainingState, build_training, unwrap_model
+from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
 from megatron_rl.trainer.routing_replay import BatchRouting
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.trainer.train_step import (
@@ -169,7 +170,7 @@ def train_batch(
     batch: TrainBatch,
     algo: AlgorithmConfig,
     spec: LossSpec,
-    micro_batch_size: int,
+    micro: int | MicroBatching,
     reference=None,
     skips: SkipCounter | None = None,
     distill: Distillation | None = None,
@@ -178,26 +179,25 @@ def train_batch(
 ) -> dict:
     """Every update of one batch (this replica's share): proximal and reference logprobs when needed (under the
     spec's sampling mask, as the current ones), KL in the reward, the teacher's term in the advantages (with
-    `distill`), then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`). With
-    `routing`, every forward of the policy replays the engines' experts (or only measures agreement, in the first
-    forward of the batch). `version` (the weights' at the start) adds `mismatch/fresh_*` to the updates whose
-    proximal or current logprobs are the batch start's."""
+    `distill`), then `ppo_epochs` x `ppo_minibatches` updates; the aggregated stats (`aggregate_updates`). `micro`:
+    the micro-batch size or the trainer's micro-batching (`trainer/packing.py`). With `routing`, every forward of
+    the policy replays the engines' experts (or only measures agreement, in the first forward of the batch).
+    `version` (the weights' at the start) adds `mismatch/fresh_*` to the updates whose proximal or current
+    logprobs are the batch start's."""
     updates = updates_per_batch(algo)
     mask = spec.sampling_mask
     untempered = None
-    routed = functools.partial(_routed, routing, micro_batch_size)
     proximal = distill is not None or (spec.uses_proximal and (updates > 1 or spec.kept_mask_matters))
-    with routed(batch, measure=True) if proximal else contextlib.nullcontext():  # no forward here: nothing to route
+    whole = plan_micro_batches(batch.tokens, batch.lengths, micro, ctx) if proximal or reference is not None else None
+    with _routed(routing, batch, whole, measure=True) if proximal else contextlib.nullcontext():
         if distill is not None:  # one forward: the proximal logprobs and the untempered ones the teacher's compare
-            batch, untempered = with_proximal_and_untempered(
-                state.model, ctx, batch, distill.temperature, micro_batch_size, mask
-            )
+            batch, untempered = with_proximal_and_untempered(state.model, ctx, batch, distill.temperature, whole, mask)
         elif proximal:
-            batch = with_proximal_logprobs(state.model, ctx, batch, micro_batch_size, mask)
+            batch = with_proximal_logprobs(state.model, ctx, batch, whole, mask)
     extra = {}
     if reference is not None:
-        ref = compute_logprobs(reference, ctx, batch.tokens, micro_batch_size, mask, batch.kept_tokens)  # last stage
-        if ref is not None:
+        ref = compute_logprobs(reference, ctx, batch.tokens, whole, mask, batch.kept_tokens, batch.lengths)
+        if ref is not None:  # last stage
             batch = batch.replace(ref_logprobs=ref.to(batch.behaviour_logprobs.dtype))
     if ctx.is_last_stage:  # only the last stage reads the advantages
         if algo.kl_in == "reward":
@@ -208,17 +208,13 @@ def train_batch(
     if algo.kl_in == "reward" or distill is not None:
         extra = broadcast_from_owner(ctx, extra)
     minibatches = batch.minibatches(algo.ppo_minibatches)
-    if minibatches[0].batch_size % micro_batch_size:
-        raise ValueError(
-            f"a mini-batch of {minibatches[0].batch_size} sequences (this replica's share / algorithm.ppo_minibatches)"
-            f" is not divisible by trainer.micro_batch_size={micro_batch_size}"
-        )
+    plans = [_minibatch_plan(mb, micro, ctx) for mb in minibatches]
     results = []
     for epoch in range(algo.ppo_epochs):
-        for index, mb in enumerate(minibatches):
-            with routed(mb, measure=not proximal and epoch == 0):
+        for index, (mb, plan) in enumerate(zip(minibatches, plans)):
+            with _routed(routing, mb, plan, measure=not proximal and epoch == 0):
                 start = version if proximal or (epoch == 0 and index == 0) else None  # batch-start logprobs
-                stats = train_step(state, ctx, mb, spec, micro_batch_size, fresh_version=start)
+                stats = train_step(state, ctx, mb, spec, plan, fresh_version=start)
             results.append(stats)
             if skips is not None:
                 where = f"epoch {epoch} mini-batch {index}: loss {stats.get('loss')}, grad norm {stats['grad_norm']}"
@@ -228,9 +224,20 @@ def train_batch(
     return aggregate_updates(results, len(minibatches)) | extra
 
 
-def _routed(routing: BatchRouting | None, micro_batch_size: int, batch: TrainBatch, measure: bool):
+def _minibatch_plan(mb: TrainBatch, micro: int | MicroBatching, ctx: ParallelContext) -> MicroBatchPlan:
+    """The micro-batches of one mini-batch (the same in every epoch), ValueError naming the settings that clash."""
+    try:
+        return plan_micro_batches(mb.tokens, mb.lengths, micro, ctx)
+    except ValueError as err:
+        raise ValueError(
+            f"a mini-batch of {mb.batch_size} sequences (this replica's share / algorithm.ppo_minibatches) does not"
+            f" split into micro-batches: {err}"
+        ) from err
+
+
+def _routed(routing: BatchRouting | None, batch: TrainBatch, plan: MicroBatchPlan | None, measure: bool):
     """`routing.forward(...)` around one forward of the policy, or nothing without routing replay/measurement."""
-    return contextlib.nullcontext() if routing is None else routing.forward(batch, micro_batch_size, measure)
+    return contextlib.nullcontext() if routing is None else routing.forward(batch, plan, measure)
 
 
 def weights_finite(model) -> bool:
@@ -285,7 +292,7 @@ class Learner:
         stats with the guard's counts and the time taken."""
         t0 = time.perf_counter()
         stats = train_batch(
-            self.state, self.rank.ctx, batch, self.cfg.algorithm, self.spec, self.cfg.trainer.micro_batch_size,
+            self.state, self.rank.ctx, batch, self.cfg.algorithm, self.spec, MicroBatching.of(self.cfg.trainer),
             self.reference, self.skips, self.distill, self.routing, version,
         )  # fmt: skip
         stats["guard/skipped_updates_total"] = float(self.skips.total)

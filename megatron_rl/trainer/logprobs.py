@@ -26,6 +26,8 @@ from megatron_rl.algorithms.entropy import entropy_from_logits
 from megatron_rl.algorithms.sampling_mask import KEEP_ALL, SamplingMask, engine_keep_mask, in_kept_set, keep_mask
 from megatron_rl.models.routes import KEPT_PAD
 from megatron_rl.parallel.groups import ParallelContext
+from megatron_rl.trainer.micro_batches import micro_batch_tokens, packed_model_inputs, plan_micro_batches, unpacker
+from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
 
 
 def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
@@ -197,41 +199,44 @@ def masked_logprobs(
 
 
 def _logprob_step(data_iterator, model):
-    batch = next(data_iterator)
-    batch.pop("kept", None)  # no mask: nothing to keep
-    output = model(**batch)
+    item = next(data_iterator)
+    output = model(**item["inputs"])  # with labels: the per-token cross entropy, -log p(next token)
 
     def collect(output_tensor, non_loss_data=False):
-        # output_tensor is the per-token cross entropy [batch, seq]: -log p(next token).
-        return -output_tensor[:, :-1].detach().float()
+        return -item["unpack"](output_tensor)[:, :-1].detach().float()
 
     return output, collect
 
 
+def _logits_of(item: dict, model) -> torch.Tensor:
+    """The model's vocab-parallel logits for one forward item (its inputs without labels)."""
+    return model(**{k: v for k, v in item["inputs"].items() if k != "labels"})
+
+
 def _masked_logprob_step(mask: SamplingMask, data_iterator, model):
-    batch = next(data_iterator)
-    labels, kept = batch.pop("labels"), batch.pop("kept", None)
-    output = model(**batch)  # no labels: the vocab-parallel logits
+    item = next(data_iterator)
+    output = _logits_of(item, model)
 
     def collect(output_tensor, non_loss_data=False):
-        logprobs, _ = masked_logprobs(output_tensor, labels, mask, kept)
+        logprobs, _ = masked_logprobs(item["unpack"](output_tensor), item["labels"], mask, item["kept"])
         return logprobs[:, :-1].detach().float()
 
     return output, collect
 
 
 def _with_untempered_step(mask: SamplingMask | None, temperature: float, data_iterator, model):
-    batch = next(data_iterator)
-    labels, kept = batch.pop("labels"), batch.pop("kept", None)
-    output = model(**batch)  # no labels: the vocab-parallel logits, already divided by the temperature
+    item = next(data_iterator)
+    output = _logits_of(item, model)  # already divided by the temperature
+    labels = item["labels"]
 
     def collect(output_tensor, non_loss_data=False):
+        logits = item["unpack"](output_tensor)
         # A new tensor (the cross entropy overwrites its fp32 input): the logits before the temperature's division.
-        untempered = -tensor_parallel.vocab_parallel_cross_entropy(output_tensor.float() * temperature, labels)
+        untempered = -tensor_parallel.vocab_parallel_cross_entropy(logits.float() * temperature, labels)
         if mask is not None and mask.active:
-            policy, _ = masked_logprobs(output_tensor, labels, mask, kept)
+            policy, _ = masked_logprobs(logits, labels, mask, item["kept"])
         else:
-            policy = -tensor_parallel.vocab_parallel_cross_entropy(output_tensor.float(), labels)
+            policy = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
         return torch.stack([policy, untempered])[:, :, :-1].detach().float()
 
     return output, collect
@@ -241,19 +246,21 @@ def forward_logprobs(
     model,
     ctx: ParallelContext,
     tokens: torch.Tensor,
-    micro_batch_size: int = 1,
+    micro_batch_size: int | MicroBatching | MicroBatchPlan = 1,
     mask: SamplingMask | None = None,
     kept: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Log-probs [batch, seq-1] of tokens[:, 1:] given their prefixes; the tensor on last-stage ranks, None elsewhere.
 
     Every rank must pass the same `tokens`. The sequence length must be divisible by TP (sequence parallel).
     With an active `mask` they are the logprobs under the engines' top-k / top-p distribution (`masked_logprobs`),
     on the engine's kept sets `kept` `[batch, seq-1, K]` where given (`TrainBatch.kept_tokens`).
+    `micro_batch_size` is a size or the trainer's `MicroBatching` / a plan (`trainer/packing.py`); packing
+    needs the sequences' `lengths`.
     """
     step = partial(_masked_logprob_step, mask) if mask and mask.active else _logprob_step
-    outputs = _forward_only(model, ctx, tokens, micro_batch_size, step, kept)
-    return None if outputs is None else torch.cat(outputs, dim=0)
+    return _forward_only(model, ctx, tokens, micro_batch_size, step, kept, lengths)
 
 
 def forward_logprobs_and_untempered(
@@ -261,9 +268,10 @@ def forward_logprobs_and_untempered(
     ctx: ParallelContext,
     tokens: torch.Tensor,
     temperature: float,
-    micro_batch_size: int = 1,
+    micro_batch_size: int | MicroBatching | MicroBatchPlan = 1,
     mask: SamplingMask | None = None,
     kept: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the policy's logprobs as `forward_logprobs` gives them, the untempered ones), each `[batch, seq-1]`, from
     one forward, on last-stage ranks; None elsewhere.
@@ -273,42 +281,56 @@ def forward_logprobs_and_untempered(
     the model divides its logits by (`BuildOptions.logit_temperature`).
     """
     step = partial(_with_untempered_step, mask, temperature)
-    outputs = _forward_only(model, ctx, tokens, micro_batch_size, step, kept)
-    if outputs is None:
-        return None
-    both = torch.cat(outputs, dim=1)
-    return both[0], both[1]
+    both = _forward_only(model, ctx, tokens, micro_batch_size, step, kept, lengths, dim=1)
+    return None if both is None else (both[0], both[1])
+
+
+def _forward_item(plan: MicroBatchPlan, index: int, tokens: Tensor, kept: Tensor | None, model, device) -> dict:
+    """One forward-only micro-batch: the model's inputs (with labels), the batch-layout labels and kept sets of
+    its rows, and the function that takes its outputs back to the batch layout."""
+    rows = micro_batch_tokens(plan, tokens, index)
+    if plan.packed is None:
+        inputs = model_inputs(rows, device)
+    else:
+        inputs = packed_model_inputs(plan.packed[index], device, model, labels=True)
+    part = None if kept is None else kept[plan.groups[index]].to(device)
+    labels = shifted_labels(rows).to(device)
+    return {"inputs": inputs, "labels": labels, "kept": part, "unpack": unpacker(plan, index)}
 
 
 def _forward_only(
-    model, ctx: ParallelContext, tokens: torch.Tensor, micro_batch_size: int, step, kept: torch.Tensor | None = None
-) -> list | None:
-    """Megatron's forward-only schedule over `tokens` in micro-batches with the forward step `step`, without
-    gradient; each micro-batch's collected output on last-stage ranks, None elsewhere. The engine's kept sets
-    `kept` (when given) travel with each micro-batch as its `kept` entry."""
+    model,
+    ctx: ParallelContext,
+    tokens: torch.Tensor,
+    micro: int | MicroBatching | MicroBatchPlan,
+    step,
+    kept: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    dim: int = 0,
+) -> Tensor | None:
+    """Megatron's forward-only schedule over `tokens` in the micro-batches of `micro` (packed when it says so, by
+    `lengths`), without gradient; on last-stage ranks the micro-batches' collected outputs joined along `dim` in
+    the batch's row order, None elsewhere. The engine's kept sets `kept` (when given) travel with each
+    micro-batch."""
     batch, seq = tokens.shape
     if seq % ctx.layout.tp:
         raise ValueError(f"sequence length {seq} is not divisible by tensor parallel size {ctx.layout.tp}")
-    if batch % micro_batch_size:
-        raise ValueError(f"batch {batch} is not divisible by micro_batch_size {micro_batch_size}")
-    micro_batches = [model_inputs(mb, ctx.device) for mb in tokens.split(micro_batch_size)]
-    if kept is not None:
-        for inputs, part in zip(micro_batches, kept.split(micro_batch_size), strict=True):
-            inputs["kept"] = part.to(ctx.device)
+    plan = plan_micro_batches(tokens, lengths, micro, ctx)
+    items = [_forward_item(plan, i, tokens, kept, model, ctx.device) for i in range(plan.num_micro_batches)]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             outputs = get_forward_backward_func()(
                 forward_step_func=step,
-                data_iterator=iter(micro_batches),
+                data_iterator=iter(items),
                 model=[model],
-                num_microbatches=len(micro_batches),
-                seq_length=seq,
-                micro_batch_size=micro_batch_size,
+                num_microbatches=len(items),
+                seq_length=plan.seq_length,
+                micro_batch_size=plan.rows_per_micro_batch,
                 forward_only=True,
                 collect_non_loss_data=True,
             )
     finally:
         model.train(was_training)
-    return list(outputs) if ctx.is_last_stage else None
+    return plan.restore(list(outputs), dim=dim) if ctx.is_last_stage else None

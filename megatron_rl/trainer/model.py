@@ -128,6 +128,8 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
     )
+    # Packed sequences attend within themselves through TE's `thd` format, or a block mask in the local spec.
+    model.packed_attention = "thd" if use_te else "mask"
     if ctx.is_last_stage and opts.logit_temperature != 1.0:
         model.output_layer.register_forward_hook(_divide_logits_by(opts.logit_temperature))
     return model.to(ctx.device)

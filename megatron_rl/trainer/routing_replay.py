@@ -366,22 +366,25 @@ class BatchRouting:
         self.equal = self.total = 0
 
     @contextlib.contextmanager
-    def forward(self, batch, micro_batch_size: int, measure: bool) -> Iterator[None]:
-        """Around one forward(-backward) schedule over `batch` (a `TrainBatch`): the engines' routes replayed
-        (mode `replay`), and with `measure` the routers' own choices compared with them (every rank)."""
+    def forward(self, batch, plan, measure: bool) -> Iterator[None]:
+        """Around one forward(-backward) schedule over `batch` (a `TrainBatch`) in the micro-batches of `plan`
+        (`trainer/packing.MicroBatchPlan`): the engines' routes replayed (mode `replay`), and with `measure` the
+        routers' own choices compared with them (every rank). Packed micro-batches get the routes packed alike."""
         if batch.routes is None:
             raise RoutingReplayError(
                 f"algorithm.routing={self.mode} but the batch carries no routes (engines started without capture?)"
             )
+        routes, free = plan.routes(batch.routes, batch.route_free)
+        rows = plan.rows_per_micro_batch
         if self.mode == "replay":
-            block = self.replay.replaying(batch.routes, batch.route_free, micro_batch_size, record=measure)
+            block = self.replay.replaying(routes, free, rows, record=measure)
         else:
             block = self.replay.recording() if measure else contextlib.nullcontext()
         with block:
             yield
         if measure:
-            recorded = self.replay.recorded_routes(micro_batch_size)
-            equal, total = self.replay.agreement(recorded, batch.routes, ~batch.route_free)
+            recorded = self.replay.recorded_routes(rows)
+            equal, total = self.replay.agreement(recorded, routes, ~free)
             self.equal, self.total = self.equal + equal, self.total + total
 
     def stats(self, dp_group) -> dict[str, float]:

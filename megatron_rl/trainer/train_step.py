@@ -66,7 +66,15 @@ from megatron_rl.trainer.logprobs import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs_at,
 )
+from megatron_rl.trainer.micro_batches import (
+    packed_model_inputs,
+    padding_of,
+    plan_micro_batches,
+    sequence_lengths,
+    unpacker,
+)
 from megatron_rl.trainer.optimizer import TrainingState, current_lr, unwrap_model, zero_grads
+from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
 
 
 def loss_spec(
@@ -106,23 +114,28 @@ def compute_logprobs(
     model,
     ctx: ParallelContext,
     tokens: Tensor,
-    micro_batch_size: int = 1,
+    micro_batch_size: int | MicroBatching | MicroBatchPlan = 1,
     mask: SamplingMask | None = None,
     kept: Tensor | None = None,
+    lengths: Tensor | None = None,
 ) -> Tensor | None:
     """Logprobs `[B, S-1]` of `tokens[:, 1:]` under the current weights (and the engines' `mask`, when given, on
     their kept sets `kept` where the batch has them), on last-stage ranks; None elsewhere.
 
     Only the last pipeline stage evaluates the loss, so only it needs these (as proximal logprobs of a batch).
     """
-    return forward_logprobs(model, ctx, tokens, micro_batch_size, mask, kept)
+    return forward_logprobs(model, ctx, tokens, micro_batch_size, mask, kept, lengths)
 
 
 def with_proximal_logprobs(
-    model, ctx: ParallelContext, batch: TrainBatch, micro_batch_size: int = 1, mask: SamplingMask | None = None
+    model,
+    ctx: ParallelContext,
+    batch: TrainBatch,
+    micro_batch_size: int | MicroBatching | MicroBatchPlan = 1,
+    mask: SamplingMask | None = None,
 ) -> TrainBatch:
     """The batch with `proximal_logprobs` recomputed under the current weights (last stage; others unchanged)."""
-    logprobs = compute_logprobs(model, ctx, batch.tokens, micro_batch_size, mask, batch.kept_tokens)
+    logprobs = compute_logprobs(model, ctx, batch.tokens, micro_batch_size, mask, batch.kept_tokens, batch.lengths)
     if logprobs is None:
         return batch
     return batch.replace(proximal_logprobs=logprobs.to(batch.behaviour_logprobs.dtype))
@@ -133,14 +146,14 @@ def with_proximal_and_untempered(
     ctx: ParallelContext,
     batch: TrainBatch,
     temperature: float,
-    micro_batch_size: int = 1,
+    micro_batch_size: int | MicroBatching | MicroBatchPlan = 1,
     mask: SamplingMask | None = None,
 ) -> tuple[TrainBatch, Tensor | None]:
     """(the batch with `proximal_logprobs` as `with_proximal_logprobs` sets them, the untempered logprobs
     `[B, S-1]` of the same forward) on last-stage ranks; (the batch unchanged, None) elsewhere. On-policy
     distillation compares the untempered ones with the teacher's (`forward_logprobs_and_untempered`)."""
     both = forward_logprobs_and_untempered(
-        model, ctx, batch.tokens, temperature, micro_batch_size, mask, batch.kept_tokens
+        model, ctx, batch.tokens, temperature, micro_batch_size, mask, batch.kept_tokens, batch.lengths
     )
     if both is None:
         return batch, None
@@ -185,8 +198,10 @@ def micro_batch_loss(
     )  # fmt: skip
 
 
-def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float, output_tensor: Tensor):
-    """Megatron loss function: vocab-parallel logits `[b, s, V/tp]` -> (scaled loss, what the update keeps)."""
+def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float, unpack, output_tensor: Tensor):
+    """Megatron loss function: vocab-parallel logits (`unpack` takes them to the batch layout `[b, S, V/tp]`) ->
+    (scaled loss, what the update keeps)."""
+    output_tensor = unpack(output_tensor)
     labels = shifted_labels(mb.tokens)
     outside = top = None
     if spec.top_kl:  # first: the cross entropy below overwrites fp32 logits in place
@@ -223,31 +238,40 @@ def _train_forward_step(spec: LossSpec, norms: Normalizers | None, scale: float,
     output = model(**item["inputs"])
     if norms is None:  # not the last stage: the schedule never calls the loss function
         return output, None
-    return output, partial(_loss_func, item["batch"], spec, norms, scale)
+    return output, partial(_loss_func, item["batch"], spec, norms, scale, item["unpack"])
 
 
-def _micro_batches(batch: TrainBatch, ctx: ParallelContext, micro_batch_size: int, model) -> list[dict]:
-    """Model inputs (and, on the last stage, the loss inputs) of each micro-batch.
+def _micro_batches(batch: TrainBatch, ctx: ParallelContext, plan: MicroBatchPlan, model) -> list[dict]:
+    """Model inputs (and, on the last stage, the loss inputs in the batch layout) of each micro-batch of `plan`.
 
     RL batches are right-padded to their longest response, often more padding than tokens: the MoE routers get
     the padding mask so that padding tokens count in neither the load-balancing losses nor the expert-bias
-    token counts (the latter needs `parallel/patches.py`'s expert-bias fix).
+    token counts (the latter needs `parallel/patches.py`'s expert-bias fix). Packed rows have padding only at
+    their tail.
     """
     config = unwrap_model(model).config
     use_mask = bool(getattr(config, "num_moe_experts", None))
+    batch_padding = batch.padding_mask() if use_mask else None
     items = []
-    for mb in batch.split(micro_batch_size):
+    for index, rows in enumerate(plan.groups):
+        mb = batch.select(rows)
+        if plan.packed is None:
+            inputs = model_inputs(mb.tokens, ctx.device, labels=False)
+        else:
+            inputs = packed_model_inputs(plan.packed[index], ctx.device, model, labels=False)
+        if use_mask:
+            padding = padding_of(plan, index, batch_padding)
+            inputs["padding_mask"] = stage_padding_mask(padding, ctx, config.sequence_parallel).to(ctx.device)
         loss_inputs = mb.to(ctx.device) if ctx.is_last_stage else None
-        padding = stage_padding_mask(mb.padding_mask(), ctx, config.sequence_parallel) if use_mask else None
-        inputs = model_inputs(mb.tokens, ctx.device, padding, labels=False)
-        items.append({"inputs": inputs, "batch": loss_inputs})
+        items.append({"inputs": inputs, "batch": loss_inputs, "unpack": unpacker(plan, index)})
     return items
 
 
 def forward_backward(
-    model, ctx: ParallelContext, batch: TrainBatch, spec: LossSpec, micro_batch_size: int
-) -> tuple[float | None, Tensor | None, Tensor | None, Tensor | None]:
-    """Run Megatron's forward-backward over the micro-batches; gradients land in the DDP buffers (reduced).
+    model, ctx: ParallelContext, batch: TrainBatch, spec: LossSpec, micro: int | MicroBatching | MicroBatchPlan
+) -> tuple[float | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """Run Megatron's forward-backward over the micro-batches of `micro` (a size, the trainer's micro-batching or
+    a plan); gradients land in the DDP buffers (reduced).
 
     Returns (this share's loss, its current logprobs `[B, S-1]`, its entropy `[B, S-1]`, which labels fell outside
     the sampling mask `[B, S-1]` or None without one, the top-k KL to the teacher `[B, S-1]` or None without that
@@ -255,7 +279,8 @@ def forward_backward(
     """
 
     norms = global_normalizers(batch, spec, ctx) if ctx.is_last_stage else None
-    items = _micro_batches(batch, ctx, micro_batch_size, model)
+    plan = plan_micro_batches(batch.tokens, batch.lengths, micro, ctx)  # a given plan as it is
+    items = _micro_batches(batch, ctx, plan, model)
     scale = float(len(items) * ctx.layout.data_parallel)
     model.train()
     outputs = get_forward_backward_func()(
@@ -263,17 +288,20 @@ def forward_backward(
         data_iterator=iter(items),
         model=[model],
         num_microbatches=len(items),
-        seq_length=batch.seq_len,
-        micro_batch_size=micro_batch_size,
+        seq_length=plan.seq_length,
+        micro_batch_size=plan.rows_per_micro_batch,
         forward_only=False,
     )
     if not ctx.is_last_stage:
         return None, None, None, None, None
     loss = float(sum(float(out["loss"]) for out in outputs))
-    logprobs = torch.cat([out["logprobs"] for out in outputs], dim=0)
-    outside = None if spec.sampling_mask is None else torch.cat([out["outside"] for out in outputs], dim=0)
-    top = None if not spec.top_kl else torch.cat([out["top_kl"] for out in outputs], dim=0)
-    return loss, logprobs, torch.cat([out["entropy"] for out in outputs], dim=0), outside, top
+
+    def joined(key: str) -> Tensor:
+        return plan.restore([out[key] for out in outputs])
+
+    outside = None if spec.sampling_mask is None else joined("outside")
+    top = None if not spec.top_kl else joined("top_kl")
+    return loss, joined("logprobs"), joined("entropy"), outside, top
 
 
 def _everyone_finite(ctx: ParallelContext, local_loss: float | None) -> bool:
@@ -304,7 +332,7 @@ def train_step(
     ctx: ParallelContext,
     batch: TrainBatch,
     spec: LossSpec,
-    micro_batch_size: int = 1,
+    micro_batch_size: int | MicroBatching | MicroBatchPlan = 1,
     fresh_version: int | None = None,
 ) -> dict[str, float]:
     """One optimizer update on this replica's share `batch`; the update's stats on every rank.
@@ -318,10 +346,9 @@ def train_step(
     proximal or current logprobs are that forward's) also `mismatch/fresh_*` over the tokens it sampled.
     """
     batch.validate(ctx.layout.tp)
-    if batch.batch_size % micro_batch_size:
-        raise ValueError(f"batch of {batch.batch_size} is not divisible by micro_batch_size {micro_batch_size}")
+    plan = plan_micro_batches(batch.tokens, batch.lengths, micro_batch_size, ctx)
     zero_grads(state)
-    local_loss, logprobs, entropy, outside, top = forward_backward(state.model, ctx, batch, spec, micro_batch_size)
+    local_loss, logprobs, entropy, outside, top = forward_backward(state.model, ctx, batch, spec, plan)
     lr = current_lr(state.optimizer)
     stepped, grad_norm, num_zeros = _guarded_optimizer_step(state, _everyone_finite(ctx, local_loss))
     stats = None
@@ -331,7 +358,16 @@ def train_step(
     stats.update(grad_norm=grad_norm, lr=lr, update_successful=float(stepped), **{"guard/skipped": float(not stepped)})
     if num_zeros is not None:
         stats["num_zeros_in_grad"] = float(num_zeros)
+    stats["batch/micro_batches"] = float(plan.num_micro_batches)
+    stats["batch/token_fill"] = plan_fill(plan, batch)
     return stats
+
+
+def plan_fill(plan: MicroBatchPlan, batch: TrainBatch) -> float:
+    """This replica's real tokens over the tokens its micro-batches run the model on (1: no padding)."""
+    real = int(sequence_lengths(batch.tokens, batch.lengths).sum())
+    rows = sum(1 if plan.packed is not None else len(g) for g in plan.groups)
+    return real / max(1, rows * plan.seq_length)
 
 
 def _stats_owner(ctx: ParallelContext) -> int:

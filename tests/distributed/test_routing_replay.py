@@ -114,3 +114,15 @@ def test_replay_holds_through_activation_recompute(results, name):
 
 def test_router_fusion_is_refused(results):
     assert "moe_router_fusion" in results["layouts"]["1x1x1"]["refused"]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_packed_sequences_replay_the_same_experts(results, name):
+    """The replayed forward with its sequences packed end to end (the routes packed alike) gives the padded
+    forward's logprobs at every position of every sequence (row 3 is shorter: compared up to its length)."""
+    got = results["layouts"][name]
+    valid = torch.ones(ROWS, SEQ - 1, dtype=torch.bool)
+    valid[3, int((~_free_mask()[3]).sum()) :] = False
+    diff = float((got["logprobs_replay_packed"] - got["logprobs_replay"])[valid].abs().max())
+    print(f"{name}: packed vs padded replay {diff:.3g}")
+    assert diff <= 1e-5

@@ -50,6 +50,9 @@ LAYOUTS = {
 }
 
 
+PACKED_LAYOUTS = ("ep2", "tp2", "pp2")
+
+
 def make_batch(hf_dir: str, seed: int, noise: float = 0.3, positive: bool = False) -> dict:
     """A right-padded batch of random prompts + responses with per-token old logprobs from transformers.
 
@@ -162,8 +165,16 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
     def dense_case(name, layout, **kw):
         return _case(name, root, dense, layout, dense_batches, eval_path, **kw)
 
+    packed = {"micro_batching": {"pack": True}}
+
+    def grads(name):
+        return {"grads_out": str(root / f"grads-{name}.pt")}
+
     world1 = [
-        moe_case("moe-1x1x1", {}, mbs=4),
+        moe_case("moe-1x1x1", {}, mbs=4, **grads("moe-1x1x1")),
+        # Packed: the same sequences end to end in fewer micro-batches; by tokens: 2 padded rows of 32 each.
+        moe_case("moe-packed-1x1x1", {}, mbs=4, **packed, **grads("moe-packed-1x1x1")),
+        moe_case("moe-tokens-1x1x1", {}, mbs=1, micro_batching={"tokens": 2 * SEQ}),
         moe_case("moe-1x1x1-mbs1", {}, mbs=1),
         moe_case("moe-ppo-1x1x1", {}, algo=PPO_SEQ),
         dense_case("dense-1x1x1", {}),
@@ -171,7 +182,8 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         moe_case("moe-aux-1x1x1", {}, moe_aux_loss_coeff=0.01),
         _case("moe-aux-padded-1x1x1", root, moe, {}, padded_batches, eval_path, moe_aux_loss_coeff=0.01),
         # DeepSeek-V3's router has expert bias (no aux loss): its update counts tokens per expert.
-        _case("ds-1x1x1", root, ds, {}, ds_batches, eval_path),
+        _case("ds-1x1x1", root, ds, {}, ds_batches, eval_path, **grads("ds-1x1x1")),
+        _case("ds-packed-1x1x1", root, ds, {}, ds_batches, eval_path, **packed, **grads("ds-packed-1x1x1")),
         _case("ds-padded-1x1x1", root, ds, {}, ds_padded, eval_path),
         moe_case("moe-mb4-1x1x1", {}, algo=MINIBATCHES, total_steps=8),
         moe_case("moe-proximal-pass-1x1x1", {}, mbs=4, proximal_pass=True),
@@ -203,6 +215,9 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         _case("guard-ep2", root, moe, LAYOUTS["ep2"], [*bad, files["moe1"]], eval_path),
         moe_case("moe-mask-tp2", {"tp": 2}, sampling=SAMPLING),
         moe_case("moe-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING),
+        *(moe_case(f"moe-packed-{name}", LAYOUTS[name], **packed) for name in PACKED_LAYOUTS),
+        moe_case("moe-packed-mb4-ep2", LAYOUTS["ep2"], algo=MINIBATCHES, mbs=1, total_steps=8, **packed),
+        moe_case("moe-packed-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING, **packed),
     ]
     world2 += [
         _case(f"resume-{name}", root, moe, LAYOUTS[name], moe_batches[1:], eval_path, load_dir=ckpt)
@@ -230,6 +245,7 @@ def reports(tiny_dir, tmp_path_factory):
     for case in (c for world_cases in cases.values() for c in world_cases):
         out[case["name"]] = torch.load(case["out"])
         out[case["name"]]["loss_mask"] = torch.load(case["batches"][0])["loss_mask"]
+    out["_root"] = root
     return out
 
 
@@ -322,6 +338,44 @@ def test_right_padding_changes_nothing_in_the_expert_bias_update(reports):
 def test_micro_batch_size_invariance(reports):
     """micro_batch_size 1 (8 micro-batches) and 4 (2 micro-batches) give the same step."""
     _check_match(reports["moe-1x1x1"], reports["moe-1x1x1-mbs1"])
+
+
+def _check_gradients(tmp_root: Path, ref: str, got: str) -> float:
+    """The largest difference between two cases' reduced first-step gradients (every parameter)."""
+    a, b = torch.load(tmp_root / f"grads-{ref}.pt"), torch.load(tmp_root / f"grads-{got}.pt")
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("family", ["moe", "ds"])
+def test_packed_sequences_give_the_padded_losses_and_gradients(reports, family):
+    """Sequences packed end to end (attention within each, positions from each start) train as padded ones:
+    the same loss at each step, and the same reduced gradient of every parameter at the first (within 1e-5)."""
+    plain, packed = reports[f"{family}-1x1x1"], reports[f"{family}-packed-1x1x1"]
+    for want, have in zip(plain["steps"], packed["steps"], strict=True):
+        assert abs(want["loss"] - have["loss"]) <= LOSS_TOL, (want["loss"], have["loss"])
+    diff = _check_gradients(reports["_root"], f"{family}-1x1x1", f"{family}-packed-1x1x1")
+    print(f"{family}: packed vs padded, largest gradient difference {diff:.3g}")
+    assert diff <= 1e-5
+    assert packed["steps"][0]["batch/micro_batches"] <= plain["steps"][0]["batch/micro_batches"]
+    assert packed["steps"][0]["batch/token_fill"] > plain["steps"][0]["batch/token_fill"] + 0.2
+
+
+@pytest.mark.parametrize("layout", PACKED_LAYOUTS)
+def test_packed_sequences_match_unsharded_padded(reports, layout):
+    """Packed at EP2 (the replicas agree on one micro-batch count), TP2 (sequence parallel) and PP2."""
+    _check_match(reports["moe-1x1x1"], reports[f"moe-packed-{layout}"])
+
+
+def test_packed_minibatches_and_sampling_mask_match_padded(reports):
+    """Packed proximal and training forwards over four mini-batches (EP2), and with the top-p mask (TP2)."""
+    _check_match(reports["moe-mb4-1x1x1"], reports["moe-packed-mb4-ep2"])
+    _check_match(reports["moe-mask-mb4-tp2"], reports["moe-packed-mask-mb4-tp2"], boundary_flips=1e-2)
+
+
+def test_micro_batches_sized_by_tokens(reports):
+    """`micro_batch_tokens` 64 over rows of 32: two sequences per micro-batch, the same step as by count."""
+    _check_match(reports["moe-1x1x1"], reports["moe-tokens-1x1x1"])
 
 
 def test_stats_are_sane(reports):

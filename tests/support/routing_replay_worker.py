@@ -25,7 +25,9 @@ from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.parallel.layout import ParallelLayout
 from megatron_rl.trainer.hf_weights import load_hf_into_model
 from megatron_rl.trainer.logprobs import forward_logprobs, model_inputs
+from megatron_rl.trainer.micro_batches import plan_micro_batches
 from megatron_rl.trainer.model import BuildOptions
+from megatron_rl.trainer.packing import MicroBatching
 from megatron_rl.trainer.routing_replay import RoutingReplay, RoutingReplayError, in_backward_pass
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.workers import run_cases
@@ -85,6 +87,17 @@ def _grad_checks(model, replay, tokens, routes, free) -> dict:
     }
 
 
+def _packed_replay(model, ctx, replay, tokens, routes, free, mbs):
+    """The replayed forward again with the sequences packed (row 3 ends where its free tail begins): the
+    routes travel packed as `BatchRouting` packs them (`MicroBatchPlan.routes`)."""
+    lengths = torch.full((tokens.shape[0],), tokens.shape[1], dtype=torch.long)
+    lengths[3] = int((~free[3]).sum()) + 1  # its last real token routes freely too
+    plan = plan_micro_batches(tokens, lengths, MicroBatching(size=mbs, pack=True), ctx)
+    packed_routes, packed_free = plan.routes(routes, free)
+    with replay.replaying(packed_routes, packed_free, plan.rows_per_micro_batch):
+        return forward_logprobs(model, ctx, tokens, plan, lengths=lengths)
+
+
 def run_case(case: dict) -> None:
     layout = ParallelLayout(**case["layout"])
     mbs = int(case["micro_batch_size"])
@@ -106,6 +119,7 @@ def run_case(case: dict) -> None:
     with replay.replaying(routes_a, free, mbs, record=True), replay.dispatched(mbs) as used:
         out["logprobs_replay"] = forward_logprobs(model, ctx, tokens, mbs)
     out["own_under_replay"] = replay.recorded_routes(mbs, all_layers=True)
+    out["logprobs_replay_packed"] = _packed_replay(model, ctx, replay, tokens, routes_a, free, mbs)
     valid = ~free
     out["agree_used"] = replay.agreement(used["routes"], routes_a, valid)
     out["free_used_is_own"] = replay.agreement(used["routes"], out["own_under_replay"], free)

@@ -9,6 +9,9 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
                   logprobs too)
     optimizer     OptimizerConfig fields
     micro_batch_size, total_steps (LR schedule length), moe_aux_loss_coeff (default 0)
+    micro_batching (optional) {"tokens", "pack"}: token budget and sequence packing beside micro_batch_size
+    grads_out     (optional) path the stats owner writes each parameter's reduced gradient of the first step to
+                  (world size 1: the whole gradient is on the one rank)
     batches       paths of saved global batches (dicts of TrainBatch fields), one per step
     eval_tokens   path of a [B, S] token tensor whose logprobs are reported before and after every step
     out           path the stats owner writes {"steps": [stats per step], "evals": [logprobs of eval_tokens before
@@ -35,6 +38,7 @@ from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.learner import train_batch
 from megatron_rl.trainer.model import BuildOptions
 from megatron_rl.trainer.optimizer import build_training
+from megatron_rl.trainer.packing import MicroBatching
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.trainer.train_step import compute_logprobs, loss_spec, with_proximal_logprobs
 from megatron_rl.workers import run_cases
@@ -49,7 +53,7 @@ def _stats_owner(ctx) -> bool:
     return ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0
 
 
-def _one_step(state, ctx, batch, algo, mbs: int, proximal_pass: bool, mask: SamplingMask) -> dict:
+def _one_step(state, ctx, batch, algo, mbs: MicroBatching, proximal_pass: bool, mask: SamplingMask) -> dict:
     """Shard the global batch for this DP rank and train on it as the learner does (`train_batch`)."""
     share = replica_share(batch, ctx.dp_rank, ctx.layout.data_parallel, algo.ppo_minibatches)
     spec = loss_spec(algo, max_new_tokens=24, sampling=mask)
@@ -59,6 +63,11 @@ def _one_step(state, ctx, batch, algo, mbs: int, proximal_pass: bool, mask: Samp
     stats = train_batch(state, ctx, share, algo, spec, mbs)
     stats["seconds"] = time.perf_counter() - start
     return stats
+
+
+def _gradients(model) -> dict:
+    """Each parameter's reduced gradient (Megatron's `main_grad` buffers keep it after the optimizer step)."""
+    return {name: p.main_grad.detach().clone().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _save(state, rank, case: dict, steps_done: int) -> None:
@@ -88,7 +97,7 @@ def run_case(case: dict) -> None:
     rank = bring_up_from_hf(case["hf"], layout, opts)
     ctx = rank.ctx
     algo = AlgorithmConfig(**case.get("algo", {}))
-    mbs = int(case.get("micro_batch_size", 1))
+    mbs = MicroBatching(size=int(case.get("micro_batch_size", 1)), **case.get("micro_batching", {}))
     state = build_training(rank.model, OptimizerConfig(**case.get("optimizer", {})), int(case.get("total_steps", 10)))
     if case.get("load_dir"):
         _load(state, case)
@@ -98,6 +107,8 @@ def run_case(case: dict) -> None:
     steps = []
     for i, path in enumerate(case["batches"]):
         steps.append(_one_step(state, ctx, load_batch(path), algo, mbs, bool(case.get("proximal_pass")), mask))
+        if i == 0 and case.get("grads_out") and _stats_owner(ctx):
+            torch.save(_gradients(state.model), case["grads_out"])
         evals.append(compute_logprobs(state.model, ctx, eval_tokens, mbs, mask))
         if case.get("save_dir") and case.get("save_after") == i + 1:
             _save(state, rank, case, i + 1)

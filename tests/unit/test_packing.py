@@ -1,0 +1,90 @@
+"""Micro-batch plans (`trainer/packing.py`): bins, packed rows and the way back to the batch layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.config import TrainerConfig
+from megatron_rl.trainer.packing import (
+    MicroBatching,
+    balanced_bins,
+    first_fit_decreasing,
+    pack_rows,
+    packed_plan,
+    padded_group_size,
+    padded_plan,
+)
+
+
+def _batch(lengths, seq=12):
+    tokens = torch.zeros(len(lengths), seq, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        tokens[row, :n] = 100 * (row + 1) + torch.arange(n)
+    return tokens, torch.tensor(lengths)
+
+
+def test_first_fit_decreasing_and_balanced_bins():
+    assert first_fit_decreasing([5, 5, 5, 5], 10) == 2
+    assert first_fit_decreasing([6, 5, 4, 3, 2], 10) == 2  # 6+4, 5+3+2
+    assert first_fit_decreasing([15, 1], 10) == 2  # longer than the budget: a bin of its own
+    bins = balanced_bins([6, 5, 4, 3, 2], 2)
+    assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4]
+    # Longest first into the least-filled bin: 6+3+2 and 5+4 (a heuristic: 10 + 10 would be better).
+    assert sorted(sum([6, 5, 4, 3, 2][i] for i in b) for b in bins) == [9, 11]
+    assert balanced_bins([3], 2) == [[0], []]
+
+
+def test_packed_row_layout_and_unpacking():
+    tokens, lengths = _batch([3, 5, 2])
+    row = pack_rows(tokens, lengths, [1, 0], length=10)
+    assert row.tokens[0, :8].tolist() == [200, 201, 202, 203, 204, 100, 101, 102]
+    assert row.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    # Each token's label is the next of its own sequence; a sequence's last token and the padding get 0.
+    assert row.labels[0].tolist() == [201, 202, 203, 204, 0, 101, 102, 0, 0, 0]
+    assert row.padding()[0].tolist() == [False] * 8 + [True] * 2
+    back = row.unpack_rows(row.tokens[..., None].float())[..., 0].long()
+    for i, r in enumerate([1, 0]):
+        n = int(lengths[r])
+        assert torch.equal(back[i, :n], tokens[r, :n])
+    assert row.cu_seqlens().tolist() == [0, 5, 8, 10]
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_rows(tokens, lengths, [0, 1, 2], length=9)
+
+
+def test_attention_stays_within_each_sequence():
+    tokens, lengths = _batch([2, 3])
+    blocked = pack_rows(tokens, lengths, [0, 1], length=6).attention_mask()[0, 0]
+    allowed = ~blocked
+    assert allowed[1].tolist() == [True, True, False, False, False, False]  # sequence 0, causal
+    assert allowed[4].tolist() == [False, False, True, True, True, False]  # sequence 1 only
+    assert allowed[5].tolist() == [False] * 5 + [True]  # the padding attends to itself: no empty softmax row
+
+
+def test_plan_restores_row_order_and_packs_routes():
+    tokens, lengths = _batch([7, 2, 6, 3])
+    plan = packed_plan(lengths, tokens, count=2, multiple=2)
+    assert plan.num_micro_batches == 2 and plan.rows_per_micro_batch == 1
+    assert plan.seq_length == 10  # 7 + 3 and 6 + 2 -> the fuller, 10, a multiple of 2
+    parts = [tokens[g].float() for g in plan.groups]
+    assert torch.equal(plan.restore(parts), tokens.float())
+    routes = torch.arange(4 * 12).reshape(4, 12, 1, 1)
+    free = torch.zeros(4, 12, dtype=torch.bool)
+    packed_routes, packed_free = plan.routes(routes, free)
+    assert packed_routes.shape == (2, 10, 1, 1) and packed_free.shape == (2, 10)
+    first = plan.packed[0]
+    n = int(first.lengths[0])
+    assert torch.equal(packed_routes[0, :n, 0, 0], routes[int(first.rows[0]), :n, 0, 0])
+    assert bool(packed_free[0, int(first.lengths.sum()) :].all()) and not bool(packed_free[0, :n].any())
+
+
+def test_padded_micro_batches_by_count_or_tokens():
+    assert padded_group_size(8, 32, MicroBatching(size=4)) == 4
+    assert padded_group_size(8, 32, MicroBatching(size=1, tokens=100)) == 2  # 3 fit, 2 divides 8
+    assert padded_group_size(6, 32, MicroBatching(tokens=10)) == 1
+    assert [g.tolist() for g in padded_plan(4, 8, MicroBatching(size=2)).groups] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        padded_group_size(8, 32, MicroBatching(size=3))
+    micro = MicroBatching.of(TrainerConfig(micro_batch_size=2, micro_batch_tokens=64, pack_sequences=True))
+    assert micro == MicroBatching(size=2, tokens=64, pack=True) and micro.budget(32) == 64
+    assert MicroBatching(size=2).budget(32) == 64
