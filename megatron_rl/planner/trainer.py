@@ -110,7 +110,8 @@ class TrainerPlan:
     microbatches: int
     """Microbatches per data-parallel rank per optimizer step."""
     tokens_per_microbatch: int
-    """micro_batch_size * model.max_sequence_length."""
+    """Tokens one microbatch holds: `trainer.micro_batch_tokens`, else micro_batch_size * model.max_sequence_length
+    (packed sequences included: the budget is the padded microbatch's)."""
     stages: list[StageMemory]
     """Per-GPU memory of each stage."""
     gpu_memory_bytes: int
@@ -130,9 +131,11 @@ def plan_trainer(cfg: RunConfig, arch: ModelArch, hf_config: dict, layout: Paral
     state_bytes = 8 + (4 if dtype_bytes < 4 else 0)
     dense_shards = layout.data_parallel if t.optimizer.use_distributed_optimizer else 1
     expert_shards = layout.expert_data_parallel if t.optimizer.use_distributed_optimizer else 1
-    tokens = t.micro_batch_size * cfg.model.max_sequence_length
+    tokens = t.micro_batch_tokens or t.micro_batch_size * cfg.model.max_sequence_length
     sequences = cfg.prompts_per_step * cfg.rollout.samples_per_prompt
-    microbatches = max(1, math.ceil(sequences / (t.micro_batch_size * layout.data_parallel)))
+    # At most: packing and short sequences fit more of them into a microbatch than max_sequence_length assumes.
+    per_microbatch = max(1, tokens // cfg.model.max_sequence_length)
+    microbatches = max(1, math.ceil(sequences / (per_microbatch * layout.data_parallel)))
     counts = stage_layer_counts(layout, arch.num_layers)
     overhead = TRAINER_OVERHEAD_BYTES + 2 * cfg.sync.bucket_mb * 2**20  # double-buffered sync buckets
     stages, start = [], 0

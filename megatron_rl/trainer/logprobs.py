@@ -26,7 +26,13 @@ from megatron_rl.algorithms.entropy import entropy_from_logits
 from megatron_rl.algorithms.sampling_mask import KEEP_ALL, SamplingMask, engine_keep_mask, in_kept_set, keep_mask
 from megatron_rl.models.routes import KEPT_PAD
 from megatron_rl.parallel.groups import ParallelContext
-from megatron_rl.trainer.micro_batches import micro_batch_tokens, packed_model_inputs, plan_micro_batches, unpacker
+from megatron_rl.trainer.micro_batches import (
+    micro_batch_tokens,
+    packed_model_inputs,
+    plan_micro_batches,
+    schedule_shape,
+    unpacker,
+)
 from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
 
 
@@ -317,6 +323,7 @@ def _forward_only(
         raise ValueError(f"sequence length {seq} is not divisible by tensor parallel size {ctx.layout.tp}")
     plan = plan_micro_batches(tokens, lengths, micro, ctx)
     items = [_forward_item(plan, i, tokens, kept, model, ctx.device) for i in range(plan.num_micro_batches)]
+    seq_length, rows = schedule_shape(plan, model)
     was_training = model.training
     model.eval()
     try:
@@ -326,8 +333,8 @@ def _forward_only(
                 data_iterator=iter(items),
                 model=[model],
                 num_microbatches=len(items),
-                seq_length=plan.seq_length,
-                micro_batch_size=plan.rows_per_micro_batch,
+                seq_length=seq_length,
+                micro_batch_size=rows,
                 forward_only=True,
                 collect_non_loss_data=True,
             )

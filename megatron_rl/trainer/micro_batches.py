@@ -9,6 +9,7 @@ same number of them: the packed count is the largest any replica needs (one all-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -20,10 +21,10 @@ from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.packing import (
     MicroBatching,
     MicroBatchPlan,
-    PackedRow,
+    PackedRows,
     as_micro_batching,
-    first_fit_decreasing,
     packed_plan,
+    packed_rows_needed,
     padded_plan,
 )
 
@@ -39,9 +40,9 @@ def sequence_lengths(tokens: Tensor, lengths: Tensor | None) -> Tensor:
 def plan_micro_batches(
     tokens: Tensor, lengths: Tensor | None, micro: int | MicroBatching | MicroBatchPlan, ctx: ParallelContext
 ) -> MicroBatchPlan:
-    """The plan for this replica's `tokens` `[B, S]` (a given plan is returned as it is). Packed: the fewest rows of
-    `micro.budget(S)` tokens first-fit decreasing needs, the most over the data-parallel group (every rank calls
-    this: an all-reduce), filled evenly."""
+    """The plan for this replica's `tokens` `[B, S]` (a given plan is returned as it is). Packed: the sequences in
+    rows of S tokens, `micro.budget(S) // S` rows per micro-batch; as many micro-batches as the replica of the
+    data-parallel group that needs the most (every rank calls this: an all-reduce)."""
     if isinstance(micro, MicroBatchPlan):
         return micro
     micro = as_micro_batching(micro)
@@ -49,32 +50,48 @@ def plan_micro_batches(
     if not micro.pack:
         return padded_plan(batch, seq, micro)
     sizes = sequence_lengths(tokens, lengths)
-    count = torch.tensor([first_fit_decreasing(sizes.tolist(), micro.budget(seq))], device=ctx.device)
+    per_micro_batch = max(1, micro.budget(seq) // seq)  # rows of `seq` tokens
+    needed = math.ceil(packed_rows_needed(sizes.tolist(), seq) / per_micro_batch)
+    count = torch.tensor([needed], device=ctx.device)
     if ctx.layout.data_parallel > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.dp_group)
-    return packed_plan(sizes, tokens, int(count.item()), max(ctx.layout.tp, 2))
+    return packed_plan(sizes, tokens, int(count.item()), seq)
 
 
 def _identity(output: Tensor) -> Tensor:
     return output
 
 
-def packed_model_inputs(row: PackedRow, device: torch.device, model, labels: bool) -> dict:
-    """GPTModel inputs of one packed row: tokens, per-sequence positions, the attention within each sequence (a
-    mask, or `PackedSeqParams` with Transformer Engine) and, with `labels`, each token's next within its own."""
-    inputs = {"input_ids": row.tokens.to(device), "position_ids": row.positions.to(device)}
-    if attention_format(model) == "thd":
-        cu = row.cu_seqlens().to(device)
+def packed_model_inputs(packed: PackedRows, device: torch.device, model, labels: bool) -> dict:
+    """GPTModel inputs of one micro-batch's packed rows: tokens, per-sequence positions, the attention within each
+    sequence (a mask per row; with Transformer Engine the rows laid end to end as one `thd` row with
+    `PackedSeqParams`) and, with `labels`, each token's next within its own sequence."""
+    thd = attention_format(model) == "thd"
+
+    def shaped(t: Tensor) -> Tensor:
+        return (t.reshape(1, -1) if thd else t).to(device)
+
+    inputs = {"input_ids": shaped(packed.tokens), "position_ids": shaped(packed.positions)}
+    if thd:
+        cu = packed.cu_seqlens().to(device)
         longest = int((cu[1:] - cu[:-1]).max())
         inputs["attention_mask"] = None
         inputs["packed_seq_params"] = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
     else:
-        inputs["attention_mask"] = row.attention_mask().to(device)
+        inputs["attention_mask"] = packed.attention_mask().to(device)
     if labels:
-        inputs["labels"] = row.labels.to(device)
+        inputs["labels"] = shaped(packed.labels)
     return inputs
+
+
+def schedule_shape(plan: MicroBatchPlan, model) -> tuple[int, int]:
+    """(seq_length, micro_batch_size) of every micro-batch as Megatron's schedule is told them (pipeline stages
+    exchange activations of that shape): packed rows in the `thd` format are one row of them all."""
+    if plan.packed is not None and attention_format(model) == "thd":
+        return plan.seq_length * plan.rows, 1
+    return plan.seq_length, plan.rows_per_micro_batch
 
 
 def unpacker(plan: MicroBatchPlan, index: int) -> Callable[[Tensor], Tensor]:
@@ -89,12 +106,13 @@ def micro_batch_tokens(plan: MicroBatchPlan, tokens: Tensor, index: int) -> Tens
     return tokens[plan.groups[index]]
 
 
-def padding_of(plan: MicroBatchPlan, index: int, batch_padding: Tensor) -> Tensor:
-    """The MoE routers' padding mask of micro-batch `index` as the model sees it: the packed row's tail, or the
-    batch rows' own (`batch_padding` `[B, S]`)."""
+def padding_of(plan: MicroBatchPlan, index: int, batch_padding: Tensor, model) -> Tensor:
+    """The MoE routers' padding mask of micro-batch `index` as the model sees it: the packed rows' tails (laid
+    end to end in the `thd` format), or the batch rows' own (`batch_padding` `[B, S]`)."""
     if plan.packed is None:
         return batch_padding[plan.groups[index]]
-    return plan.packed[index].padding()
+    padding = plan.packed[index].padding()
+    return padding.reshape(1, -1) if attention_format(model) == "thd" else padding
 
 
 def attention_format(model) -> str:

@@ -3,9 +3,9 @@
 Pure logic (no process groups): the plan of which rows go together, and for packed micro-batches the packed row's
 tokens, positions, labels, segment mask and the index that takes its outputs back to the batch's `[b, S]` layout.
 
-Packing (`MicroBatching.pack`): each micro-batch is one row holding whole sequences back to back (rows sorted
-longest first and spread over the fewest micro-batches that keep each within `MicroBatching.tokens`), padded
-only at its tail to the step's common length. Attention stays inside each sequence (a block-diagonal causal mask,
+Packing (`MicroBatching.pack`): whole sequences go back to back into rows as long as the batch's padded length
+(first-fit decreasing, longest first), padded only at each row's tail; the rows are dealt out to the fewest
+micro-batches that keep each within its token budget (`MicroBatching.budget`). Attention stays inside each sequence (a block-diagonal causal mask,
 or Transformer Engine's `thd` format with cumulative sequence lengths). The rotary embedding turns a position
 shift into a phase that cancels in every query-key product, so a sequence computes what it computes alone at
 row start. The losses run on the outputs unpacked to `[b, S]`, so everything per position (masks, old logprobs,
@@ -63,18 +63,22 @@ def padded_group_size(batch_size: int, seq: int, micro: MicroBatching) -> int:
     return max(d for d in range(1, cap + 1) if batch_size % d == 0)
 
 
-def first_fit_decreasing(lengths: Sequence[int], budget: int) -> int:
-    """How many bins of `budget` tokens first-fit decreasing needs for sequences of `lengths` (one longer than
-    the budget gets a bin of its own)."""
+def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """The indices of `lengths` in bins of `budget` tokens, longest first into the first that has room (one
+    longer than the budget gets a bin of its own); each bin's indices ascending."""
+    bins: list[list[int]] = []
     free: list[int] = []
-    for n in sorted(lengths, reverse=True):
-        for i, room in enumerate(free):
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        for b, room in enumerate(free):
             if n <= room:
-                free[i] -= n
+                free[b] -= n
+                bins[b].append(i)
                 break
         else:
+            bins.append([i])
             free.append(max(0, budget - n))
-    return len(free)
+    return [sorted(b) for b in bins]
 
 
 def balanced_bins(lengths: Sequence[int], count: int) -> list[list[int]]:
@@ -90,86 +94,94 @@ def balanced_bins(lengths: Sequence[int], count: int) -> list[list[int]]:
 
 
 @dataclasses.dataclass
-class PackedRow:
-    """One micro-batch's sequences packed end to end into one row `[1, L]`, and the way back to `[b, S]`."""
+class PackedRows:
+    """One micro-batch's sequences packed end to end into `r` rows of `C` tokens, and the way back to `[b, S]`."""
 
     rows: Tensor
     """`[b]` int64 the batch rows it holds, in packing order."""
     tokens: Tensor
-    """`[1, L]` int64 their tokens back to back, then padding."""
+    """`[r, C]` int64 their tokens back to back, each row then padded."""
     positions: Tensor
-    """`[1, L]` int64 each token's position within its own sequence (padding counts on from 0)."""
+    """`[r, C]` int64 each token's position within its own sequence (a row's padding counts on from 0)."""
     labels: Tensor
-    """`[1, L]` int64 the next token of the same sequence (0 at each sequence's last token and in the padding)."""
+    """`[r, C]` int64 the next token of the same sequence (0 at each sequence's last token and in the padding)."""
     segments: Tensor
-    """`[1, L]` int64 which of `rows` each token belongs to; the padding is segment b."""
+    """`[r, C]` int64 which of `rows` each token belongs to; row j's padding is segment b + j."""
     unpack: Tensor
-    """`[b, S]` int64 the packed position of each (row, t) of the batch layout (0 past a sequence's length)."""
+    """`[b, S]` int64 the flat packed position (row * C + column) of each (row, t) of the batch layout (0 past a
+    sequence's length)."""
     lengths: Tensor
     """`[b]` int64 the sequences' lengths."""
 
     @property
-    def length(self) -> int:
-        """L, the packed row's length."""
-        return int(self.tokens.shape[1])
+    def shape(self) -> tuple[int, int]:
+        """(r, C): the packed rows and their length."""
+        return tuple(self.tokens.shape)
 
     def padding(self) -> Tensor:
-        """`[1, L]` bool, True at the tail padding (the MoE routers leave it out)."""
-        return self.segments == len(self.rows)
+        """`[r, C]` bool, True at each row's tail padding (the MoE routers leave it out)."""
+        return self.segments >= len(self.rows)
 
     def attention_mask(self) -> Tensor:
-        """`[1, 1, L, L]` bool, True where a query may not attend: another segment, or a later position."""
-        seg = self.segments[0]
-        causal = torch.ones(self.length, self.length, dtype=torch.bool).tril()
-        return ~((seg[:, None] == seg[None, :]) & causal)[None, None]
+        """`[r, 1, C, C]` bool, True where a query may not attend: another segment, or a later position."""
+        width = self.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        same = self.segments[:, :, None] == self.segments[:, None, :]
+        return ~(same & causal)[:, None]
 
     def cu_seqlens(self) -> Tensor:
-        """`[b + 2]` int32 cumulative lengths of the segments, the padding the last (Transformer Engine `thd`)."""
-        sizes = torch.cat([self.lengths, torch.tensor([self.length - int(self.lengths.sum())])])
-        return torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(torch.int32)
+        """Cumulative lengths of the segments of the rows laid end to end (each row's padding one of them), int32:
+        Transformer Engine's `thd` format over the flattened `[1, r * C]` row."""
+        flat = self.segments.reshape(-1)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), (flat[1:] != flat[:-1]).nonzero()[:, 0] + 1])
+        return torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
 
     def pack(self, per_position: Tensor, fill) -> Tensor:
-        """A batch-layout tensor `[B, S, ...]` (the whole batch's) -> this row's `[1, L, ...]`, `fill` in padding."""
-        out = torch.full((self.length, *per_position.shape[2:]), fill, dtype=per_position.dtype)
+        """A batch-layout tensor `[B, S, ...]` (the whole batch's) -> these rows' `[r, C, ...]`, `fill` in padding."""
+        r, width = self.shape
+        out = torch.full((r * width, *per_position.shape[2:]), fill, dtype=per_position.dtype)
         for i, (row, n) in enumerate(zip(self.rows.tolist(), self.lengths.tolist())):
-            start = int(self.lengths[:i].sum())
-            out[start : start + n] = per_position[row, :n]
-        return out[None]
+            out[self.unpack[i, :n]] = per_position[row, :n]
+        return out.reshape(r, width, *per_position.shape[2:])
 
     def unpack_rows(self, packed: Tensor) -> Tensor:
-        """This row's outputs `[1, L, ...]` -> `[b, S, ...]` in the batch layout (with gradient); positions past a
-        sequence's length hold the row's first output (never trained on: every mask is 0 there)."""
+        """These rows' outputs `[r, C, ...]` (or flattened `[1, r * C, ...]`) -> `[b, S, ...]` in the batch layout
+        (with gradient); positions past a sequence's length hold the first output (every mask is 0 there)."""
         index = self.unpack.to(packed.device)
-        flat = packed[0].index_select(0, index.reshape(-1))
+        flat = packed.reshape(-1, *packed.shape[2:]).index_select(0, index.reshape(-1))
         return flat.reshape(*index.shape, *packed.shape[2:])
 
 
-def pack_rows(tokens: Tensor, lengths: Tensor, rows: Sequence[int], length: int, pad_id: int = 0) -> PackedRow:
-    """The batch rows `rows` of `tokens` `[B, S]` (each `lengths[row]` real tokens) packed into one row of
-    `length` tokens (ValueError when they do not fit)."""
-    index = torch.as_tensor(list(rows), dtype=torch.long)
-    sizes = lengths[index].long()
-    total = int(sizes.sum())
-    if total > length:
-        raise ValueError(f"packing: {total} tokens do not fit a row of {length}")
-    seq = tokens.shape[1]
-    packed = torch.full((length,), pad_id, dtype=tokens.dtype)
-    positions = torch.zeros(length, dtype=torch.long)
-    labels = torch.zeros(length, dtype=torch.long)
-    segments = torch.full((length,), len(index), dtype=torch.long)
-    unpack = torch.zeros(len(index), seq, dtype=torch.long)
-    start = 0
-    for i, (row, n) in enumerate(zip(index.tolist(), sizes.tolist())):
-        packed[start : start + n] = tokens[row, :n]
-        positions[start : start + n] = torch.arange(n)
-        labels[start : start + n - 1] = tokens[row, 1:n]
-        segments[start : start + n] = i
-        unpack[i, :n] = torch.arange(start, start + n)
-        start += n
-    positions[start:] = torch.arange(length - start)
-    return PackedRow(
-        rows=index, tokens=packed[None], positions=positions[None], labels=labels[None], segments=segments[None],
-        unpack=unpack, lengths=sizes,
+def pack_rows(
+    tokens: Tensor, lengths: Tensor, row_bins: Sequence[Sequence[int]], width: int, pad_id: int = 0
+) -> PackedRows:
+    """The batch rows of `row_bins` (one list per packed row) of `tokens` `[B, S]` (each `lengths[row]` real
+    tokens) packed into rows of `width` tokens (ValueError when a row's do not fit)."""
+    order = [row for rows in row_bins for row in rows]
+    index = torch.as_tensor(order, dtype=torch.long)
+    seq, r, b = tokens.shape[1], len(row_bins), len(order)
+    packed = torch.full((r, width), pad_id, dtype=tokens.dtype)
+    positions = torch.arange(width).repeat(r, 1)
+    labels = torch.zeros(r, width, dtype=torch.long)
+    segments = (b + torch.arange(r))[:, None].repeat(1, width)
+    unpack = torch.zeros(b, seq, dtype=torch.long)
+    i = 0
+    for j, rows in enumerate(row_bins):
+        start = 0
+        for row in rows:
+            n = int(lengths[row])
+            if start + n > width:
+                raise ValueError(f"packing: {sum(int(lengths[x]) for x in rows)} tokens do not fit a row of {width}")
+            packed[j, start : start + n] = tokens[row, :n]
+            positions[j, start : start + n] = torch.arange(n)
+            labels[j, start : start + n - 1] = tokens[row, 1:n]
+            segments[j, start : start + n] = i
+            unpack[i, :n] = j * width + torch.arange(start, start + n)
+            start, i = start + n, i + 1
+        positions[j, start:] = torch.arange(width - start)
+    return PackedRows(
+        rows=index, tokens=packed, positions=positions, labels=labels, segments=segments, unpack=unpack,
+        lengths=lengths[index].long() if b else torch.zeros(0, dtype=torch.long),
     )  # fmt: skip
 
 
@@ -181,8 +193,10 @@ class MicroBatchPlan:
     """Per micro-batch, `[b_i]` int64 batch rows (consecutive equal slices when padded)."""
     seq_length: int
     """The length every micro-batch's rows have: the batch's S, or the packed rows' common L."""
-    packed: list[PackedRow] | None = None
-    """Per micro-batch its packed row; None: padded micro-batches (`tokens[group]`)."""
+    packed: list[PackedRows] | None = None
+    """Per micro-batch its packed rows; None: padded micro-batches (`tokens[group]`)."""
+    rows: int = 0
+    """Packed rows per micro-batch (0 when padded)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -191,8 +205,8 @@ class MicroBatchPlan:
 
     @property
     def rows_per_micro_batch(self) -> int:
-        """The micro-batch size Megatron's schedule is told (1 when packed: one row each)."""
-        return 1 if self.packed is not None else int(self.groups[0].numel())
+        """The micro-batch size Megatron's schedule is told: packed rows, or sequences per padded micro-batch."""
+        return self.rows if self.packed is not None else int(self.groups[0].numel())
 
     def order(self) -> Tensor:
         """`[B]` the batch rows in micro-batch order (what concatenated per-micro-batch outputs are in)."""
@@ -206,8 +220,8 @@ class MicroBatchPlan:
         return joined.index_select(dim, inverse.to(joined.device))
 
     def routes(self, routes: Tensor, free: Tensor) -> tuple[Tensor, Tensor]:
-        """The batch's `[B, S, L, k]` routes and `[B, S]` free mask in micro-batch layout: `[n, L_packed, ...]`
-        (one packed row each, padding free) or the rows in `order()`."""
+        """The batch's `[B, S, L, k]` routes and `[B, S]` free mask in micro-batch layout: every micro-batch's
+        packed rows in turn `[n * r, C, ...]` (padding free), or the rows in `order()`."""
         if self.packed is None:
             order = self.order()
             return routes[order], free[order]
@@ -215,15 +229,24 @@ class MicroBatchPlan:
         return packed, torch.cat([p.pack(free, True) for p in self.packed])
 
 
-def packed_plan(lengths: Tensor, tokens: Tensor, count: int, multiple: int, pad_id: int = 0) -> MicroBatchPlan:
-    """The batch's sequences (`lengths` of `tokens` `[B, S]`) packed into `count` rows of one common length (the
-    fullest row's, rounded up to a multiple of `multiple`: tensor parallelism splits it)."""
+def packed_rows_needed(lengths: Sequence[int], width: int) -> int:
+    """Rows of `width` tokens first-fit decreasing packs sequences of `lengths` into."""
+    return len(first_fit_decreasing(lengths, width))
+
+
+def packed_plan(lengths: Tensor, tokens: Tensor, count: int, width: int, pad_id: int = 0) -> MicroBatchPlan:
+    """The batch's sequences (`lengths` of `tokens` `[B, S]`) packed first-fit decreasing into rows of `width`
+    tokens (at least the longest sequence; rows of the batch's own length keep the attention no larger than
+    padded rows'), the rows dealt out in turn to `count` micro-batches of equal row counts (Megatron's schedule
+    takes one micro-batch shape; the last ones may get empty rows)."""
     sizes = lengths.tolist()
-    bins = balanced_bins(sizes, count)
-    fullest = max(sum(sizes[i] for i in b) for b in bins)
-    length = max(multiple, math.ceil(max(fullest, 2) / multiple) * multiple)
-    rows = [pack_rows(tokens, lengths, b, length, pad_id) for b in bins]
-    return MicroBatchPlan(groups=[r.rows for r in rows], seq_length=length, packed=rows)
+    if max(sizes, default=0) > width:
+        raise ValueError(f"packing: a sequence of {max(sizes)} tokens does not fit a row of {width}")
+    row_bins = first_fit_decreasing(sizes, width)
+    per = max(1, math.ceil(len(row_bins) / count))
+    parts = [row_bins[i * per : (i + 1) * per] for i in range(count)]
+    packed = [pack_rows(tokens, lengths, part + [[]] * (per - len(part)), width, pad_id) for part in parts]
+    return MicroBatchPlan(groups=[p.rows for p in packed], seq_length=width, packed=packed, rows=per)
 
 
 def padded_plan(batch_size: int, seq: int, micro: MicroBatching) -> MicroBatchPlan:

@@ -70,6 +70,7 @@ from megatron_rl.trainer.micro_batches import (
     packed_model_inputs,
     padding_of,
     plan_micro_batches,
+    schedule_shape,
     sequence_lengths,
     unpacker,
 )
@@ -260,7 +261,7 @@ def _micro_batches(batch: TrainBatch, ctx: ParallelContext, plan: MicroBatchPlan
         else:
             inputs = packed_model_inputs(plan.packed[index], ctx.device, model, labels=False)
         if use_mask:
-            padding = padding_of(plan, index, batch_padding)
+            padding = padding_of(plan, index, batch_padding, model)
             inputs["padding_mask"] = stage_padding_mask(padding, ctx, config.sequence_parallel).to(ctx.device)
         loss_inputs = mb.to(ctx.device) if ctx.is_last_stage else None
         items.append({"inputs": inputs, "batch": loss_inputs, "unpack": unpacker(plan, index)})
@@ -281,6 +282,7 @@ def forward_backward(
     norms = global_normalizers(batch, spec, ctx) if ctx.is_last_stage else None
     plan = plan_micro_batches(batch.tokens, batch.lengths, micro, ctx)  # a given plan as it is
     items = _micro_batches(batch, ctx, plan, model)
+    seq_length, rows = schedule_shape(plan, model)
     scale = float(len(items) * ctx.layout.data_parallel)
     model.train()
     outputs = get_forward_backward_func()(
@@ -288,8 +290,8 @@ def forward_backward(
         data_iterator=iter(items),
         model=[model],
         num_microbatches=len(items),
-        seq_length=plan.seq_length,
-        micro_batch_size=plan.rows_per_micro_batch,
+        seq_length=seq_length,
+        micro_batch_size=rows,
         forward_only=False,
     )
     if not ctx.is_last_stage:
@@ -366,7 +368,7 @@ def train_step(
 def plan_fill(plan: MicroBatchPlan, batch: TrainBatch) -> float:
     """This replica's real tokens over the tokens its micro-batches run the model on (1: no padding)."""
     real = int(sequence_lengths(batch.tokens, batch.lengths).sum())
-    rows = sum(1 if plan.packed is not None else len(g) for g in plan.groups)
+    rows = plan.rows * plan.num_micro_batches if plan.packed is not None else len(plan.order())
     return real / max(1, rows * plan.seq_length)
 
 

@@ -12,6 +12,7 @@ from megatron_rl.trainer.packing import (
     first_fit_decreasing,
     pack_rows,
     packed_plan,
+    packed_rows_needed,
     padded_group_size,
     padded_plan,
 )
@@ -25,9 +26,9 @@ def _batch(lengths, seq=12):
 
 
 def test_first_fit_decreasing_and_balanced_bins():
-    assert first_fit_decreasing([5, 5, 5, 5], 10) == 2
-    assert first_fit_decreasing([6, 5, 4, 3, 2], 10) == 2  # 6+4, 5+3+2
-    assert first_fit_decreasing([15, 1], 10) == 2  # longer than the budget: a bin of its own
+    assert first_fit_decreasing([5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
+    assert first_fit_decreasing([6, 5, 4, 3, 2], 10) == [[0, 2], [1, 3, 4]]  # 6+4, 5+3+2
+    assert first_fit_decreasing([15, 1], 10) == [[0], [1]]  # longer than the budget: a bin of its own
     bins = balanced_bins([6, 5, 4, 3, 2], 2)
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4]
     # Longest first into the least-filled bin: 6+3+2 and 5+4 (a heuristic: 10 + 10 would be better).
@@ -35,26 +36,32 @@ def test_first_fit_decreasing_and_balanced_bins():
     assert balanced_bins([3], 2) == [[0], []]
 
 
-def test_packed_row_layout_and_unpacking():
+def test_packed_rows_layout_and_unpacking():
     tokens, lengths = _batch([3, 5, 2])
-    row = pack_rows(tokens, lengths, [1, 0], length=10)
-    assert row.tokens[0, :8].tolist() == [200, 201, 202, 203, 204, 100, 101, 102]
-    assert row.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    packed = pack_rows(tokens, lengths, [[1, 0], [2]], width=10)
+    assert packed.shape == (2, 10) and packed.rows.tolist() == [1, 0, 2]
+    assert packed.tokens[0, :8].tolist() == [200, 201, 202, 203, 204, 100, 101, 102]
+    assert packed.tokens[1, :2].tolist() == [300, 301]
+    assert packed.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
     # Each token's label is the next of its own sequence; a sequence's last token and the padding get 0.
-    assert row.labels[0].tolist() == [201, 202, 203, 204, 0, 101, 102, 0, 0, 0]
-    assert row.padding()[0].tolist() == [False] * 8 + [True] * 2
-    back = row.unpack_rows(row.tokens[..., None].float())[..., 0].long()
-    for i, r in enumerate([1, 0]):
+    assert packed.labels[0].tolist() == [201, 202, 203, 204, 0, 101, 102, 0, 0, 0]
+    assert packed.padding()[0].tolist() == [False] * 8 + [True] * 2
+    assert packed.padding()[1].tolist() == [False] * 2 + [True] * 8
+    back = packed.unpack_rows(packed.tokens[..., None].float())[..., 0].long()
+    for i, r in enumerate([1, 0, 2]):
         n = int(lengths[r])
         assert torch.equal(back[i, :n], tokens[r, :n])
-    assert row.cu_seqlens().tolist() == [0, 5, 8, 10]
+    # The thd layout: both rows end to end, each row's padding a segment of its own.
+    assert packed.cu_seqlens().tolist() == [0, 5, 8, 10, 12, 20]
+    flat = packed.unpack_rows(packed.tokens.reshape(1, -1, 1).float())[..., 0].long()
+    assert torch.equal(flat, back)
     with pytest.raises(ValueError, match="do not fit"):
-        pack_rows(tokens, lengths, [0, 1, 2], length=9)
+        pack_rows(tokens, lengths, [[0, 1, 2]], width=9)
 
 
 def test_attention_stays_within_each_sequence():
     tokens, lengths = _batch([2, 3])
-    blocked = pack_rows(tokens, lengths, [0, 1], length=6).attention_mask()[0, 0]
+    blocked = pack_rows(tokens, lengths, [[0, 1]], width=6).attention_mask()[0, 0]
     allowed = ~blocked
     assert allowed[1].tolist() == [True, True, False, False, False, False]  # sequence 0, causal
     assert allowed[4].tolist() == [False, False, True, True, True, False]  # sequence 1 only
@@ -62,20 +69,27 @@ def test_attention_stays_within_each_sequence():
 
 
 def test_plan_restores_row_order_and_packs_routes():
-    tokens, lengths = _batch([7, 2, 6, 3])
-    plan = packed_plan(lengths, tokens, count=2, multiple=2)
-    assert plan.num_micro_batches == 2 and plan.rows_per_micro_batch == 1
-    assert plan.seq_length == 10  # 7 + 3 and 6 + 2 -> the fuller, 10, a multiple of 2
+    tokens, lengths = _batch([7, 2, 6, 3, 5])
+    plan = packed_plan(lengths, tokens, count=2, width=12)
+    assert packed_rows_needed(lengths.tolist(), 12) == 2
+    assert plan.num_micro_batches == 2 and plan.seq_length == 12 and plan.rows_per_micro_batch == 1
+    assert [p.rows.tolist() for p in plan.packed] == [[0, 4], [1, 2, 3]]  # 7 + 5 and 2 + 6 + 3
     parts = [tokens[g].float() for g in plan.groups]
     assert torch.equal(plan.restore(parts), tokens.float())
-    routes = torch.arange(4 * 12).reshape(4, 12, 1, 1)
-    free = torch.zeros(4, 12, dtype=torch.bool)
+    routes = torch.arange(5 * 12).reshape(5, 12, 1, 1)
+    free = torch.zeros(5, 12, dtype=torch.bool)
     packed_routes, packed_free = plan.routes(routes, free)
-    assert packed_routes.shape == (2, 10, 1, 1) and packed_free.shape == (2, 10)
+    assert packed_routes.shape == (2, 12, 1, 1) and packed_free.shape == (2, 12)
     first = plan.packed[0]
     n = int(first.lengths[0])
     assert torch.equal(packed_routes[0, :n, 0, 0], routes[int(first.rows[0]), :n, 0, 0])
     assert bool(packed_free[0, int(first.lengths.sum()) :].all()) and not bool(packed_free[0, :n].any())
+    # Rows of 8 (7, 6 + 2, 5 + 3) over two micro-batches: two rows each, the last one empty (one shape).
+    narrow = packed_plan(lengths, tokens, count=2, width=8)
+    assert narrow.rows_per_micro_batch == 2 and all(p.shape == (2, 8) for p in narrow.packed)
+    assert bool(narrow.packed[1].padding()[1].all())
+    with pytest.raises(ValueError, match="does not fit"):
+        packed_plan(lengths, tokens, count=2, width=6)
 
 
 def test_padded_micro_batches_by_count_or_tokens():
