@@ -41,7 +41,7 @@ def quickstart_batch(
         for _ in range(samples):
             n = (
                 new_tokens
-                if torch.rand(1, generator=gen) < 0.75
+                if torch.rand(1, generator=gen) < full_share
                 else int(torch.randint(1, new_tokens, (1,), generator=gen))
             )
             rows.append((record["prompt_ids"], torch.randint(3, 500, (n,), generator=gen).tolist()))
