@@ -2,7 +2,10 @@
 trainer and the engine pinned to different cores. Prints one JSON object with `speedup` (goal >= 1.5) and both
 idle fractions.
 
-    .venv/bin/python bench/async_loop.py [--steps 20]
+    .venv/bin/python bench/async_loop.py [--steps 20] [--model tiny|compute]
+
+`--model compute` trains a 4-layer hidden-512 Qwen3-MoE (`bench/train_step.py`'s `compute` size), where the
+matmuls, not per-step overhead, take the time; `tiny` (default) is the quickstart's own model.
 
 Throughput counts the steady state: trained response tokens of steps 3..N over the wall time between the end
 of step 2 and the end of step N (start-up and the first fills are excluded in both modes alike).
@@ -21,6 +24,11 @@ prefer_loopback_ray()  # a local Ray on loopback only: before anything below imp
 from megatron_rl.config import load_config  # noqa: E402
 from megatron_rl.launcher import run_training  # noqa: E402
 from megatron_rl.metrics.logger import read_metrics  # noqa: E402
+from megatron_rl.models.tiny import make_tiny  # noqa: E402
+
+COMPUTE = {"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 512,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}  # fmt: skip
+"""The compute-bound size (as `bench/train_step.py`'s `compute` workload)."""
 
 
 def run(mode: str, steps: int, root: str, max_new_tokens: int) -> dict:
@@ -50,12 +58,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (generation share of a step)")
+    parser.add_argument("--model", choices=("tiny", "compute"), default="tiny")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mrl-bench-async-") as root:
+        if args.model == "compute":  # made here: the config's make_tiny makes the quickstart's own size
+            make_tiny("qwen3_moe", f"{root}/tiny", seed=0, overrides=COMPUTE)
         sync = run("sync", args.steps, root, args.max_new_tokens)
         async_ = run("async", args.steps, root, args.max_new_tokens)
     print(json.dumps({
-        "steps": args.steps, "max_new_tokens": args.max_new_tokens, "layout": "tp1-pp1-ep1", "trainer_cores": [0], "engine_cores": [1],
+        "steps": args.steps, "model": args.model, "max_new_tokens": args.max_new_tokens, "layout": "tp1-pp1-ep1", "trainer_cores": [0], "engine_cores": [1],
         "sync_tokens_per_s": round(sync["tokens_per_s"], 1), "async_tokens_per_s": round(async_["tokens_per_s"], 1),
         "speedup": round(async_["tokens_per_s"] / sync["tokens_per_s"], 3), "goal_speedup": 1.5,
         "sync": sync, "async": async_,
