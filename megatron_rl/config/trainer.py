@@ -72,11 +72,12 @@ class TrainerConfig(Section):
     """Sequences per micro-batch (when `micro_batch_tokens` is 0)."""
     micro_batch_tokens: int = Field(0, ge=0)
     """Tokens per micro-batch: padded micro-batches get as many sequences as fit (the largest divisor of the
-    mini-batch share), packed ones as many whole sequences as fit; 0 uses `micro_batch_size` sequences (packed:
-    `micro_batch_size` x the padded sequence length)."""
+    mini-batch share), packed ones as many rows of packed sequences as fit; 0 uses `micro_batch_size` sequences
+    (packed: `micro_batch_size` x the padded sequence length)."""
     pack_sequences: bool = False
-    """Pack whole sequences end to end into one row per micro-batch (attention stays within each; no padding
-    between them) in the training and logprob passes, instead of right-padding every one to the longest."""
+    """Pack whole sequences end to end into rows of the batch's padded length (attention stays within each; no
+    padding between them) in the training and logprob passes, instead of right-padding every one to the longest;
+    `micro_batch_tokens` (else `micro_batch_size` x that length) sets the rows per micro-batch."""
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """Megatron MoE token dispatcher."""
     moe_aux_loss_coeff: float | None = Field(None, ge=0)

@@ -5,8 +5,8 @@ tokens, positions, labels, segment mask and the index that takes its outputs bac
 
 Packing (`MicroBatching.pack`): whole sequences go back to back into rows as long as the batch's padded length
 (first-fit decreasing, longest first), padded only at each row's tail; the rows are dealt out to the fewest
-micro-batches that keep each within its token budget (`MicroBatching.budget`). Attention stays inside each sequence (a block-diagonal causal mask,
-or Transformer Engine's `thd` format with cumulative sequence lengths). The rotary embedding turns a position
+micro-batches that keep each within its token budget (`MicroBatching.budget`). Attention stays inside each
+sequence (a block-diagonal causal mask, or Transformer Engine's `thd` format with cumulative sequence lengths). The rotary embedding turns a position
 shift into a phase that cancels in every query-key product, so a sequence computes what it computes alone at
 row start. The losses run on the outputs unpacked to `[b, S]`, so everything per position (masks, old logprobs,
 routes, kept sets) keeps the batch's layout.
@@ -33,7 +33,7 @@ class MicroBatching:
     tokens: int = 0
     """Tokens per micro-batch (padded tokens when not packing); 0 uses `size` sequences."""
     pack: bool = False
-    """Pack whole sequences end to end into one row per micro-batch, no padding between them."""
+    """Pack whole sequences end to end into rows of the padded length, no padding between them."""
 
     @classmethod
     def of(cls, trainer: TrainerConfig) -> MicroBatching:
@@ -78,18 +78,6 @@ def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]
         else:
             bins.append([i])
             free.append(max(0, budget - n))
-    return [sorted(b) for b in bins]
-
-
-def balanced_bins(lengths: Sequence[int], count: int) -> list[list[int]]:
-    """The indices of `lengths` spread over exactly `count` bins, longest first into the least-filled bin (ties:
-    the first); each bin's indices ascending. With fewer sequences than bins the rest stay empty."""
-    bins: list[list[int]] = [[] for _ in range(count)]
-    fill = [0] * count
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        target = min(range(count), key=lambda b: (fill[b], b))
-        bins[target].append(i)
-        fill[target] += lengths[i]
     return [sorted(b) for b in bins]
 
 
@@ -207,6 +195,11 @@ class MicroBatchPlan:
     def rows_per_micro_batch(self) -> int:
         """The micro-batch size Megatron's schedule is told: packed rows, or sequences per padded micro-batch."""
         return self.rows if self.packed is not None else int(self.groups[0].numel())
+
+    def token_fill(self, real_tokens: int) -> float:
+        """`real_tokens` over the tokens the micro-batches run the model on (1: no padding)."""
+        rows = self.rows * self.num_micro_batches if self.packed is not None else len(self.order())
+        return real_tokens / max(1, rows * self.seq_length)
 
     def order(self) -> Tensor:
         """`[B]` the batch rows in micro-batch order (what concatenated per-micro-batch outputs are in)."""

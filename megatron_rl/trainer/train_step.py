@@ -361,15 +361,8 @@ def train_step(
     if num_zeros is not None:
         stats["num_zeros_in_grad"] = float(num_zeros)
     stats["batch/micro_batches"] = float(plan.num_micro_batches)
-    stats["batch/token_fill"] = plan_fill(plan, batch)
+    stats["batch/token_fill"] = plan.token_fill(int(sequence_lengths(batch.tokens, batch.lengths).sum()))
     return stats
-
-
-def plan_fill(plan: MicroBatchPlan, batch: TrainBatch) -> float:
-    """This replica's real tokens over the tokens its micro-batches run the model on (1: no padding)."""
-    real = int(sequence_lengths(batch.tokens, batch.lengths).sum())
-    rows = plan.rows * plan.num_micro_batches if plan.packed is not None else len(plan.order())
-    return real / max(1, rows * plan.seq_length)
 
 
 def _stats_owner(ctx: ParallelContext) -> int:

@@ -8,7 +8,6 @@ import torch
 from megatron_rl.config import TrainerConfig
 from megatron_rl.trainer.packing import (
     MicroBatching,
-    balanced_bins,
     first_fit_decreasing,
     pack_rows,
     packed_plan,
@@ -25,15 +24,10 @@ def _batch(lengths, seq=12):
     return tokens, torch.tensor(lengths)
 
 
-def test_first_fit_decreasing_and_balanced_bins():
+def test_first_fit_decreasing():
     assert first_fit_decreasing([5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
     assert first_fit_decreasing([6, 5, 4, 3, 2], 10) == [[0, 2], [1, 3, 4]]  # 6+4, 5+3+2
     assert first_fit_decreasing([15, 1], 10) == [[0], [1]]  # longer than the budget: a bin of its own
-    bins = balanced_bins([6, 5, 4, 3, 2], 2)
-    assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4]
-    # Longest first into the least-filled bin: 6+3+2 and 5+4 (a heuristic: 10 + 10 would be better).
-    assert sorted(sum([6, 5, 4, 3, 2][i] for i in b) for b in bins) == [9, 11]
-    assert balanced_bins([3], 2) == [[0], []]
 
 
 def test_packed_rows_layout_and_unpacking():
@@ -88,6 +82,7 @@ def test_plan_restores_row_order_and_packs_routes():
     narrow = packed_plan(lengths, tokens, count=2, width=8)
     assert narrow.rows_per_micro_batch == 2 and all(p.shape == (2, 8) for p in narrow.packed)
     assert bool(narrow.packed[1].padding()[1].all())
+    assert plan.token_fill(23) == pytest.approx(23 / 24) and narrow.token_fill(23) == pytest.approx(23 / 32)
     with pytest.raises(ValueError, match="does not fit"):
         packed_plan(lengths, tokens, count=2, width=6)
 
@@ -96,7 +91,8 @@ def test_padded_micro_batches_by_count_or_tokens():
     assert padded_group_size(8, 32, MicroBatching(size=4)) == 4
     assert padded_group_size(8, 32, MicroBatching(size=1, tokens=100)) == 2  # 3 fit, 2 divides 8
     assert padded_group_size(6, 32, MicroBatching(tokens=10)) == 1
-    assert [g.tolist() for g in padded_plan(4, 8, MicroBatching(size=2)).groups] == [[0, 1], [2, 3]]
+    padded = padded_plan(4, 8, MicroBatching(size=2))
+    assert [g.tolist() for g in padded.groups] == [[0, 1], [2, 3]] and padded.token_fill(16) == 0.5
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         padded_group_size(8, 32, MicroBatching(size=3))
     micro = MicroBatching.of(TrainerConfig(micro_batch_size=2, micro_batch_tokens=64, pack_sequences=True))
