@@ -257,7 +257,8 @@ class GenerationDriver:
             )
             for sample in range(rollout.samples_per_prompt)
         ]
-        pending = asyncio.gather(*(self.engines[engine].generate.remote(r) for r in requests))
+        # One actor call for the group: on a small machine Ray's per-call cost is CPU that generation needs.
+        pending = self.engines[engine].generate_group.remote(requests)
         try:
             results = await asyncio.wait_for(pending, rollout.request_timeout_s)
         except asyncio.TimeoutError:

@@ -370,6 +370,10 @@ class VLLMEngine:
             kept_sets=_encoded_kept(kept, req, len(tokens), self.spec.name) if req.return_kept_sets else None,
         )
 
+    async def generate_group(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
+        """`generate` for each of `reqs` at once (a prompt's samples): one actor call per group, not per sample."""
+        return list(await asyncio.gather(*(self.generate(r) for r in reqs)))
+
     async def _routes(self, segments: list[str], native: dict) -> dict:
         """The stitched, encoded routes of a response's segments (one per continuation): vLLM's own output
         (`native`, rows for positions 0 .. end - 2 of each segment's prompt + tokens) or taken off the workers."""

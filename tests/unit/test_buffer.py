@@ -519,6 +519,13 @@ class AlternatingEngine:
     def generate(self):
         return types.SimpleNamespace(remote=self._generate)
 
+    async def _generate_group(self, reqs):
+        return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
+
+    @property
+    def generate_group(self):
+        return types.SimpleNamespace(remote=self._generate_group)
+
 
 class Local:
     """A plain object behind Ray's call syntax, awaited like an ObjectRef (the method runs in a thread)."""

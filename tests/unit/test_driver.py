@@ -117,6 +117,13 @@ class StandInEngine:
     def generate(self):
         return types.SimpleNamespace(remote=self._generate)
 
+    async def _generate_group(self, reqs):
+        return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
+
+    @property
+    def generate_group(self):
+        return types.SimpleNamespace(remote=self._generate_group)
+
     async def _health(self) -> dict:
         return {"alive": True, "consistent": True}
 
