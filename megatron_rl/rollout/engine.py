@@ -156,9 +156,9 @@ def _engine_env(spec: EngineSpec) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if spec.tensor_parallel * spec.data_parallel > 1:
-        # vllm-cpu's automatic thread binding wants one NUMA node per worker and refuses otherwise ("Not enough
-        # allowed NUMA nodes"); the engine shares its cores with the trainer anyway, so leave placement to the OS.
+    if not _on_gpu():
+        # vllm-cpu's automatic binding pins a worker to one core (and refuses several workers on one NUMA node);
+        # the engine shares its cores with the trainer, and pinned it could not use the core of a waiting rank.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ[VLLM_PATCHES_ENV] = "1"  # our vLLM patches, applied by vLLM's plugin loader in each of its processes
