@@ -6,11 +6,13 @@ fills the buffer that far ahead and every batch trains at the largest staleness 
 ahead is already enough to hide generation behind training when the engines keep up.
 
 `Lookahead` sizes it from what the buffer sees of the trainer: for each batch handed out, how long the trainer
-waited for it against the time since the previous one (its idle fraction). A wait above `target_idle` raises the
+waited for it against the time since the previous one. Its idle fraction is read over the cycles since the
+lookahead last changed (at most `window` of them), since the target is a share of the trainer's time, not a
+bound on each wait: on a busy machine a batch is now and then a few milliseconds late whatever the lookahead, and
+counted one by one such waits ratchet it up to the bound. An idle fraction above `target_idle` raises the
 lookahead by one prompt per multiple of the target past the first, up to a quarter of a step (the trainer is
-starved: generation must start earlier); `patience` cycles in a
-row without a wait worth counting (under half the target) lower it by one prompt (the groups were ready early:
-they could have been generated later, on newer weights). Lowering slowly and raising fast keeps the waits rare
+starved: generation must start earlier); `patience` cycles in a row under half the target lower it by one prompt
+(the groups were ready early: they could have been generated later, on newer weights). Lowering slowly and raising fast keeps the waits rare
 once the lookahead has found the edge: each probe below it costs one short wait. The bound stays `max_prompts` (= `max_staleness` steps), the floor 0
 (synchronous). Pure logic: no Ray, no clocks of its own.
 """
@@ -39,12 +41,22 @@ class Lookahead:
     """Batches observed so far (the first one's wait is start-up, not generation falling behind)."""
     calm: int = 0
     """Cycles in a row without a wait so far."""
+    window: int = 8
+    """Most cycles the idle fraction is read over (those since the lookahead last changed)."""
+    waited: list = dataclasses.field(default_factory=list)
+    """(wait, cycle) seconds of the cycles since the lookahead last changed, the last `window` of them."""
 
     def __post_init__(self) -> None:
-        if self.prompts_per_step < 1 or self.max_prompts < 0 or not 0 < self.target_idle < 1 or self.patience < 1:
+        if (
+            self.prompts_per_step < 1
+            or self.max_prompts < 0
+            or not 0 < self.target_idle < 1
+            or self.patience < 1
+            or self.window < 1
+        ):
             raise ValueError(
                 f"Lookahead: prompts_per_step={self.prompts_per_step} must be >= 1, max_prompts={self.max_prompts}"
-                f" >= 0, target_idle={self.target_idle} in (0, 1) and patience={self.patience} >= 1"
+                f" >= 0, target_idle={self.target_idle} in (0, 1), patience={self.patience} and window={self.window} >= 1"
             )
         if self.prompts < 0:
             self.prompts = min(self.prompts_per_step, self.max_prompts)
@@ -60,17 +72,18 @@ class Lookahead:
         self.batches_seen += 1
         if cycle_s is None or cycle_s <= 0 or self.batches_seen == 1:
             return self.prompts
-        idle = min(1.0, max(0.0, wait_s) / cycle_s)
+        self.waited = [*self.waited, (max(0.0, wait_s), cycle_s)][-self.window :]
+        idle = min(1.0, sum(w for w, _ in self.waited) / sum(c for _, c in self.waited))
         if idle > self.target_idle:
             # Up to a quarter step for a long wait; one prompt for a wait just past the target (on a busy
             # machine such waits come and go whatever the lookahead, and a quarter step each ratchets it up).
             raise_by = min(math.ceil(self.prompts_per_step / 4), max(1, math.ceil(idle / self.target_idle) - 1))
             self.prompts = min(self.max_prompts, self.prompts + raise_by)
-            self.calm = 0
+            self.calm, self.waited = 0, []
         elif idle < self.target_idle / 2:
             self.calm += 1
             if self.calm >= self.patience:
-                self.prompts, self.calm = max(0, self.prompts - 1), 0
+                self.prompts, self.calm, self.waited = max(0, self.prompts - 1), 0, []
         else:
             self.calm = 0
         return self.prompts
