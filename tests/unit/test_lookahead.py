@@ -48,34 +48,35 @@ def test_a_wait_between_half_the_target_and_the_target_holds_it():
         assert la.observe(wait_s=0.07, cycle_s=1.0) == 4
 
 
-def test_it_settles_at_the_edge_with_rare_waits():
-    """A model of the loop: the trainer waits whenever the lookahead is under one step (the missing groups are
-    generated from scratch after it asks), never otherwise. The lookahead probes one prompt under the edge every
-    `patience` cycles, so few cycles wait and the mean stays near one step."""
+def _loop_model(late_every: int = 0, cycles: int = 200) -> tuple[int, list[int]]:
+    """A model of the loop: the trainer waits 20% of a cycle whenever the lookahead is under one step (the missing
+    groups are generated from scratch after it asks); with `late_every` k, every k-th batch is also late by 6% of
+    its cycle whatever the lookahead. Returns the starved cycles and the lookahead after each cycle."""
     la = Lookahead(prompts_per_step=8, max_prompts=32, target_idle=0.05, patience=4)
     la.observe(0.0, None)
-    waits, sizes = 0, []
-    for _ in range(200):
+    starved_cycles, sizes = 0, []
+    for cycle in range(cycles):
         starved = la.prompts < 8
-        waits += starved
-        la.observe(wait_s=0.2 if starved else 0.0, cycle_s=1.0)
+        starved_cycles += starved
+        late = late_every and cycle % late_every == late_every - 1
+        la.observe(wait_s=0.2 if starved else (0.06 if late else 0.0), cycle_s=1.0)
         sizes.append(la.prompts)
+    return starved_cycles, sizes
+
+
+def test_it_settles_at_the_edge_with_rare_waits():
+    """The lookahead probes one prompt under the edge every `patience` cycles, so few cycles wait and the mean
+    stays near one step."""
+    waits, sizes = _loop_model()
     assert waits / 200 < 0.15, waits
     assert 7 <= sum(sizes) / len(sizes) <= 10, sum(sizes) / len(sizes)
 
 
 def test_late_batches_now_and_then_are_read_as_a_share_of_the_time_not_one_by_one():
-    """The loop of the test above on a busy machine: besides the starved cycles, one batch in four is late by 6% of
-    its cycle whatever the lookahead (1.5% of the time). Counted one by one such waits raised it a prompt each,
-    past two steps; read as the share of time they are, the lookahead stays at the edge."""
-    la = Lookahead(prompts_per_step=8, max_prompts=32, target_idle=0.05, patience=4)
-    la.observe(0.0, None)
-    starved_cycles, sizes = 0, []
-    for cycle in range(200):
-        starved = la.prompts < 8
-        starved_cycles += starved
-        la.observe(wait_s=0.2 if starved else (0.06 if cycle % 4 == 3 else 0.0), cycle_s=1.0)
-        sizes.append(la.prompts)
+    """The loop on a busy machine: one batch in four is late by 6% of its cycle whatever the lookahead (1.5% of
+    the time). Counted one by one such waits raised it a prompt each, past two steps; read as the share of time
+    they are, the lookahead stays at the edge."""
+    starved_cycles, sizes = _loop_model(late_every=4)
     assert starved_cycles / 200 < 0.15, starved_cycles
     assert 7 <= sum(sizes) / len(sizes) <= 10, sum(sizes) / len(sizes)
     assert max(sizes[100:]) <= 12, max(sizes[100:])
