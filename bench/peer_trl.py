@@ -1,6 +1,7 @@
 """Benchmark: TRL's GRPOTrainer and megatron-rl side by side, on the same model, task, batch and optimizer.
 
     .venv/bin/python bench/peer_trl.py [--seeds 3] [--trl-steps 260] [--mrl-steps 260] [--mrl-override k=v ...]
+        [--trl-micro-batch 64]
 
 Per seed, both sides load the same random 4-layer Qwen3-MoE folder (`make_tiny("qwen3_moe", ...,
 num_hidden_layers=4)`, the 512-token BPE) and learn the `count` task (prompt `count: <3 words> =`, reward
@@ -13,8 +14,11 @@ fp32, GRPO advantages normalised within each group (mean and std), the loss a to
   (plus any `--mrl-override`).
 - TRL 1.16.0 (`bench/peer_trl_trl.py`, in its own venv `bench/.venv-trl`, made on first use: not a project
   dependency): GRPOTrainer in one process, HF `generate` (use_vllm False), loss_type "dapo" (token-level mean
-  over the global accumulated batch, as our `token_mean`), scale_rewards "group", per-device batch 8 x 8
-  accumulation steps = one generation batch of 64 completions and one update, clip 0.2 / 0.28 as ours.
+  over the global accumulated batch, as our `token_mean`), scale_rewards "group", one generation batch of 64
+  completions and one update, clip 0.2 / 0.28 as ours; per-device batch 64 (no gradient accumulation) by
+  default, as the quickstart's trainer takes its share in one micro-batch (`--trl-micro-batch 8`: 8 x 8
+  accumulation steps, the setting of the first comparisons). Each side's micro-batches per update are in
+  its summary (`micro_batches`).
 
 Printed (one JSON object on stdout; progress on stderr), per side and seed, then medians over seeds and ratios
 (`tokens_per_s` mrl/trl, `s_to_0.9` trl/mrl): trained tokens/s = completion tokens trained in steps 2..N over
@@ -59,7 +63,7 @@ WINDOW = 10  # steps of the trailing mean reward
 LAST_S = 60.0  # "reward over the last minute"
 SETTINGS = {
     "prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 8, "temperature": 1.0, "lr": 3e-4,
-    "adam_beta2": 0.99, "clip_grad": 1.0, "micro_batch_size": 8, "clip_low": 0.2, "clip_high": 0.28,
+    "adam_beta2": 0.99, "clip_grad": 1.0, "clip_low": 0.2, "clip_high": 0.28,
 }  # fmt: skip
 """What both sides use; the megatron-rl values come from configs/quickstart.yaml (checked in `run_mrl`)."""
 
@@ -109,7 +113,7 @@ def run_mrl(model: Path, seed: int, steps: int, root: Path, overrides: list[str]
     r, opt = cfg.rollout, cfg.trainer.optimizer
     actual = {"prompts_per_step": cfg.prompts_per_step, "samples_per_prompt": r.samples_per_prompt,
               "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "lr": opt.lr,
-              "adam_beta2": opt.adam_beta2, "clip_grad": opt.clip_grad, "micro_batch_size": cfg.trainer.micro_batch_size,
+              "adam_beta2": opt.adam_beta2, "clip_grad": opt.clip_grad,
               "clip_low": cfg.algorithm.clip_low, "clip_high": cfg.algorithm.clip_high}  # fmt: skip
     if actual != SETTINGS and not overrides:
         raise SystemExit(f"configs/quickstart.yaml no longer matches the TRL side: {actual} vs {SETTINGS}")
@@ -118,24 +122,28 @@ def run_mrl(model: Path, seed: int, steps: int, root: Path, overrides: list[str]
     records = [x for x in read_metrics(root / name / "metrics.jsonl") if is_step_record(x)]
     return [
         {"step": x["step"], "t": x["wall_s"], "reward": x["reward/mean"],
-         "tokens": x.get("batch/response_tokens", x["rollout/tokens"])}
+         "tokens": x.get("batch/response_tokens", x["rollout/tokens"]), "micro_batches": x["batch/micro_batches"]}
         for x in records
     ]  # fmt: skip
 
 
-def run_trl(python: Path, model: Path, seed: int, steps: int, root: Path) -> tuple[list[dict], dict]:
-    """One TRL GRPOTrainer run (subprocess in the TRL venv); per step rows as `run_mrl`'s, and its settings."""
-    work = root / f"trl-seed{seed}"
+def run_trl(python: Path, model: Path, seed: int, steps: int, root: Path, micro: int) -> tuple[list[dict], dict]:
+    """One TRL GRPOTrainer run (subprocess in the TRL venv) with micro-batches of `micro` completions; per step
+    rows as `run_mrl`'s, and its settings."""
+    work = root / f"trl-seed{seed}-mb{micro}"
     work.mkdir(parents=True, exist_ok=True)
     prompts = count_prompts(model, seed, steps * SETTINGS["prompts_per_step"])
-    spec = {**SETTINGS, "model": str(model), "seed": seed, "steps": steps, "prompts": prompts, "work_dir": str(work)}
+    spec = {**SETTINGS, "model": str(model), "seed": seed, "steps": steps, "prompts": prompts, "work_dir": str(work),
+            "micro_batch_size": micro}  # fmt: skip
     (work / "spec.json").write_text(json.dumps(spec))
     say(f"TRL seed {seed}: {steps} steps in {work}")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     cmd = [str(python), str(TRL_SCRIPT), str(work / "spec.json"), str(work / "log.json")]
     subprocess.run(cmd, check=True, stdout=sys.stderr, env=env, cwd=str(work))
     log = json.loads((work / "log.json").read_text())
-    rows = [{"step": x["step"], "t": x["wall_s"], "reward": x["reward"], "tokens": x["tokens"]} for x in log["records"]]
+    per_update = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"] // micro
+    rows = [{"step": x["step"], "t": x["wall_s"], "reward": x["reward"], "tokens": x["tokens"],
+             "micro_batches": per_update} for x in log["records"]]  # fmt: skip
     return rows, log["settings"]
 
 
@@ -147,6 +155,7 @@ def summarise(rows: list[dict]) -> dict:
         "steps": len(rows),
         "tokens_per_s": sum(r["tokens"] for r in rows[1:]) / span if span > 0 else None,
         "seconds": span,
+        "micro_batches": statistics.fmean(r["micro_batches"] for r in rows),
         "reward_last_min": statistics.fmean(r["reward"] for r in rows if r["t"] >= rows[-1]["t"] - LAST_S),
     }
     for threshold in THRESHOLDS:
@@ -192,6 +201,12 @@ def main() -> None:
     parser.add_argument("--mrl-override", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--only", choices=("trl", "mrl"), help="run one side only (its ratios are then null)")
     parser.add_argument("--work-dir", default="", help="keep models and runs here (default: a temporary folder)")
+    whole = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"]
+    parser.add_argument(
+        "--trl-micro-batch", type=int, default=whole,
+        help=f"TRL's per-device batch (gradient accumulation makes up the {whole} completions of an update); default"
+        " the whole update in one micro-batch, as the quickstart's trainer (micro_batch_tokens) takes it",
+    )  # fmt: skip
     args = parser.parse_args()
     stdout = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # everything else (Ray, vLLM, the launcher's console) goes to stderr: stdout is the JSON only
@@ -203,7 +218,7 @@ def main() -> None:
         for seed in range(args.seeds):
             model = make_model(root, seed)
             if args.only != "mrl":
-                rows, settings = run_trl(python, model, seed, args.trl_steps, root)
+                rows, settings = run_trl(python, model, seed, args.trl_steps, root, args.trl_micro_batch)
                 runs["trl"].append(summarise(rows))
             if args.only != "trl":
                 runs["mrl"].append(summarise(run_mrl(model, seed, args.mrl_steps, root / "runs", args.mrl_override)))
