@@ -83,7 +83,9 @@ class BufferConfig(Section):
     with), so batches are as fresh as that allows; `max`: always `max_staleness` steps ahead. `max_staleness`
     stays the hard bound either way."""
     target_trainer_idle: float = Field(0.05, gt=0, lt=1)
-    """With `lookahead: adaptive`: the largest share of its time the trainer should spend waiting for data."""
+    """With `lookahead: adaptive`: the largest share of its time the trainer should spend waiting for data. Where
+    engines and trainer share CPU cores (the CPU quickstart) a waiting trainer lends its core to the engines, so a
+    higher target keeps batches fresher at about the same throughput."""
     max_requeues: int = Field(3, ge=0)
     """How often a prompt whose engine died is generated again before it is dropped."""
     stale_policy: Literal["drop", "correct"] = "drop"
