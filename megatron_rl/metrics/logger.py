@@ -41,10 +41,12 @@ class MetricsLogger:
         self._wandb = _wandb(wandb_project, self.run_dir, config) if wandb_project else None
         self.start = time.perf_counter()
 
-    def log(self, step: int, metrics: dict, kind: str = "") -> None:
+    def log(self, step: int, metrics: dict, kind: str = "", at: float | None = None) -> None:
         """Record the metrics of `step` everywhere and print the console line; a record of another `kind` (e.g.
-        EVAL_RECORD: an evaluation that came with a later one) is marked so and has no console line."""
-        record = {"step": step, "wall_s": round(time.perf_counter() - self.start, 3), **metrics}
+        EVAL_RECORD: an evaluation that came with a later one) is marked so and has no console line. `at`: the
+        `time.perf_counter()` the record's `wall_s` is for (default now; a step logged later passes its end)."""
+        now = time.perf_counter() if at is None else at
+        record = {"step": step, "wall_s": round(now - self.start, 3), **metrics}
         if kind:
             record[KIND_KEY] = kind
         self._jsonl.write(json.dumps(record, default=float) + "\n")

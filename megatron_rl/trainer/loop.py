@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
+from megatron_rl.metrics.background import BackgroundReporter
 from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
@@ -109,6 +110,7 @@ class TrainerLoop:
             self.teacher_meter = EngineMeter(lambda: named_handles(spec.get("teachers", [])), TEACHER_METER_KEYS)
             self.evals = EvalInbox(spec["run_dir"])
             self.zero_variance = ZeroVarianceShare()
+            self.reporter = BackgroundReporter()
             self._report("running")
 
     def _report(self, state: str, message: str = "") -> None:
@@ -237,11 +239,17 @@ class TrainerLoop:
             return self.sync.push(version) | {"forced_lag": self.lagged.lag}
 
     def finish_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float) -> None:
-        """The new version is out: tell the buffer and run control, log the step's metrics (rank 0)."""
+        """The new version is out: tell the buffer (now: it admits the next prompts by it), then report to run
+        control and log the step's metrics in the background (rank 0; `metrics/background.py`)."""
         self.step = step
         if not self.is_rank0:
             return
         self.buffer.set_trainer_version.remote(step)
+        ended = time.perf_counter()
+        self.reporter.submit(lambda: self._log_step(step, groups, stats, sync_report, t_data, step_s, ended))
+
+    def _log_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float, ended):
+        """(Rank 0, the reporter's thread) the heartbeat and the metrics record of `step`, which ended at `ended`."""
         self._report("running")
         record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s, self.zero_variance)
         record["sync/resyncs"] = self.sync.resyncs
@@ -252,13 +260,15 @@ class TrainerLoop:
         elif evaluating:
             record |= self.evals.take()
         record |= sync_report.get("teachers", {}) | (self.teacher_meter.measure() if self.spec.get("teachers") else {})
-        self.metrics.log(step, record | self.meter.measure())
+        self.metrics.log(step, record | self.meter.measure(), at=ended)
         for result in later:  # results that came after the previous step's record: records of their own
             self.metrics.log(step, result, kind=EVAL_RECORD)
 
     def close(self) -> None:
-        """Report the end of training (and why it came early, if it did) and close the metrics."""
+        """Finish the last step's report, report the end of training (and why it came early, if it did) and close
+        the metrics."""
         if self.is_rank0:
+            self.reporter.close()
             self._report("done", self.end_message)
             self.metrics.close()
 

@@ -15,6 +15,7 @@ import torch
 from megatron_rl import launcher
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.trainer import COLLECTIVE_TIMEOUT_MARGIN_S
+from megatron_rl.metrics.background import BackgroundReporter
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.driver import GenerationError
 from megatron_rl.run_state import ResumeError, mark_latest, step_dir, write_run_state
@@ -86,6 +87,7 @@ def _run(cfg, buffer=None, rank0: bool = True, step: int = 0) -> TrainerLoop:
     run.sync = NoRosterChange()
     run.heartbeat = TrainerHeartbeat(None)
     run.teachers = None
+    run.reporter = BackgroundReporter()
     return run
 
 
