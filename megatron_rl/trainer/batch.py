@@ -204,6 +204,15 @@ def pad_length(longest: int, multiple: int) -> int:
     return max(multiple, math.ceil(longest / multiple) * multiple)
 
 
+def ragged_positions(lengths: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+    """(rows, columns) of `lengths[i]` consecutive positions from `starts[i]` in each row i, row by row: the
+    places of a ragged batch's values, flattened in that order, in a padded `[rows, columns]` tensor."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    offsets = torch.cumsum(lengths, 0) - lengths  # where each row's values begin in the flat order
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets - starts, lengths)
+    return rows, cols
+
+
 def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: int = 0) -> TrainBatch:
     """One sequence per sample: tokens = prompt + response (right-padded to a multiple of `tp`), the mask on the
     positions that predict response tokens, the engine's logprobs there, and group-relative advantages."""
@@ -220,16 +229,17 @@ def groups_to_batch(groups: Sequence[Group], advantage: str, tp: int, pad_id: in
     routes, route_free = batch_routes(samples, seq)
     kept = batch_kept_sets(samples, seq)
     top_ids, top_logprobs = batch_teacher_top(samples, seq)
-    for row, sample in enumerate(samples):
-        ids = list(sample.prompt_ids) + list(sample.response_ids)
-        tokens[row, : len(ids)] = torch.tensor(ids)
-        start = len(sample.prompt_ids) - 1  # position t predicts token t + 1
-        end = start + len(sample.response_ids)
-        mask[row, start:end] = 1.0
-        behaviour[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
-        versions[row, start:end] = torch.tensor(sample.versions, dtype=torch.long)
-        if teacher is not None:
-            teacher[row, start:end] = torch.tensor(sample.teacher_logprobs, dtype=torch.float32)
+    # One scatter per tensor, not a few small ones per sample (`Sample` checks one logprob and version per token).
+    prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    response_lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    rows, cols = ragged_positions(prompt_lens + response_lens, torch.zeros_like(prompt_lens))
+    tokens[rows, cols] = torch.tensor([t for s in samples for ids in (s.prompt_ids, s.response_ids) for t in ids])
+    rows, cols = ragged_positions(response_lens, prompt_lens - 1)  # position t predicts token t + 1
+    mask[rows, cols] = 1.0
+    behaviour[rows, cols] = torch.tensor([x for s in samples for x in s.logprobs], dtype=torch.float32)
+    versions[rows, cols] = torch.tensor([v for s in samples for v in s.versions], dtype=torch.long)
+    if teacher is not None:
+        teacher[rows, cols] = torch.tensor([x for s in samples for x in s.teacher_logprobs], dtype=torch.float32)
     # float64: float32 would turn a reward of 1e39 into inf, and lose the spread of rewards near 1e20.
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     group_ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long)

@@ -35,6 +35,40 @@ def test_tokens_mask_and_behaviour_logprobs_line_up():
     batch.validate(tp=4)
 
 
+def test_ragged_samples_land_where_a_per_sample_layout_puts_them():
+    """The batch's one-scatter layout against the obvious per-sample loop, on random prompt and response lengths
+    (an empty response among them) with versions and teacher logprobs."""
+    gen = torch.Generator().manual_seed(0)
+    groups = []
+    for index in range(5):
+        samples = []
+        for _ in range(3):
+            prompt = torch.randint(3, 500, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+            n = int(torch.randint(0, 7, (1,), generator=gen))
+            response = torch.randint(3, 500, (n,), generator=gen).tolist()
+            versions = torch.randint(0, 4, (n,), generator=gen).tolist()
+            sample = Sample(prompt, response, torch.randn(n, generator=gen).tolist(), versions, reward=1.0,
+                            prompt_index=index, group_id=str(index), teacher_logprobs=torch.randn(n, generator=gen).tolist())  # fmt: skip
+            samples.append(sample)
+        groups.append(Group(index, samples))
+    batch = groups_to_batch(groups, "grpo", tp=2)
+    tokens, mask = torch.zeros_like(batch.tokens), torch.zeros_like(batch.loss_mask)
+    behaviour, teacher = torch.zeros_like(batch.behaviour_logprobs), torch.zeros_like(batch.teacher_logprobs)
+    versions = torch.full_like(batch.versions, -1)
+    for row, sample in enumerate(s for g in groups for s in g.samples):
+        ids = sample.prompt_ids + sample.response_ids
+        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        start, end = len(sample.prompt_ids) - 1, len(sample.prompt_ids) - 1 + len(sample.response_ids)
+        mask[row, start:end] = 1.0
+        behaviour[row, start:end] = torch.tensor(sample.logprobs)
+        teacher[row, start:end] = torch.tensor(sample.teacher_logprobs)
+        versions[row, start:end] = torch.tensor(sample.versions, dtype=torch.long)
+    assert any(len(s.response_ids) == 0 for g in groups for s in g.samples)
+    for got, want in [(batch.tokens, tokens), (batch.loss_mask, mask), (batch.behaviour_logprobs, behaviour),
+                      (batch.teacher_logprobs, teacher), (batch.versions, versions)]:  # fmt: skip
+        assert torch.equal(got, want)
+
+
 def test_group_relative_advantages():
     batch = groups_to_batch(_groups(), "grpo", tp=1)
     # Group 0: rewards 1 and 0 -> +/- 1/std (sample std of [1, 0] is 0.7071); group 1: equal rewards -> 0.
