@@ -174,16 +174,63 @@ class RolloutBuffer:
         with self._cond:
             while self._free_slots() == 0 and self._cond.wait(max(0.0, deadline - time.monotonic())):
                 pass
-            claimed: list[tuple[int, dict]] = []
-            want = min(n, self._free_slots())
-            while len(claimed) < want:
-                item = self._next_prompt()
-                if item is None:
-                    break
-                self._in_flight[item[0]] = item[1]
-                self._counters["produced"] += 1
-                claimed.append(item)
-            return claimed
+            return self._take_prompts(n)
+
+    def _take_prompts(self, n: int) -> list[tuple[int, dict]]:
+        """(Under the lock) up to `n` prompts, as many as there are free slots and prompts; now in flight."""
+        claimed: list[tuple[int, dict]] = []
+        want = min(n, self._free_slots())
+        while len(claimed) < want:
+            item = self._next_prompt()
+            if item is None:
+                break
+            self._in_flight[item[0]] = item[1]
+            self._counters["produced"] += 1
+            claimed.append(item)
+        return claimed
+
+    def claim_gated(self, n: int, per_step: int, lag: int, timeout_s: float = 0.0) -> list[tuple[int, dict]]:
+        """`claim_prompts` behind the driver's gate, in one call: up to `n` prompts, no more than the gate lets
+        through, waiting up to `timeout_s` for it to open (the trainer's next version) and for a free slot.
+
+        The gate keeps the prompts this buffer accounts for (consumed, buffered and in flight) within the steps up
+        to the trainer's version + `lag` (`per_step` prompts a step), or + the lookahead where one is configured
+        (`configure_lookahead`), whichever is less. Dropped prompts and requeued ones waiting to be claimed again
+        do not count: each frees its place. Returns [] when it stays shut. One call instead of a look at the
+        counts and a claim per prompt: a step's prompts reach the engines together, which batch them.
+        """
+        if n < 0 or per_step < 1 or lag < 0:
+            raise RolloutBufferError(f"claim_gated: n={n} >= 0, per_step={per_step} >= 1 and lag={lag} >= 0 needed")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while min(self._gate_room(per_step, lag), self._free_slots()) <= 0 or not self._prompts_left():
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    return []
+            return self._take_prompts(min(n, self._gate_room(per_step, lag)))
+
+    def _prompts_left(self) -> bool:
+        """Whether a claim may find a prompt: one waits to be claimed again, or the stream may have more."""
+        return bool(self._retry) or self.prompts is None or not self.prompts.exhausted
+
+    def _gate_room(self, per_step: int, lag: int) -> int:
+        """How many more prompts the gate lets through now (`claim_gated`)."""
+        ahead = lag * per_step
+        if self.lookahead is not None:
+            ahead = min(ahead, self.lookahead.prompts)
+        live = self._counters["consumed"] + len(self._heap) + len(self._in_flight)
+        return (self.trainer_version + 1) * per_step + ahead - live
+
+    def release(self, indices: list[int]) -> None:
+        """Take back in-flight prompts that were claimed but never started (their engine went down meanwhile, or
+        the driver stopped): first in line to be claimed again, not counted as requeues."""
+        with self._cond:
+            missing = [i for i in indices if i not in self._in_flight]
+            if missing:
+                raise RolloutBufferError(f"release: prompts {missing} are not in flight")
+            for index in reversed(indices):
+                self._retry.appendleft((index, self._in_flight.pop(index)))
+            self._counters["produced"] -= len(indices)
+            self._cond.notify_all()
 
     def _next_prompt(self) -> tuple[int, dict] | None:
         if self._retry:

@@ -8,12 +8,14 @@ are only claimed once the trainer's weights are at version >= s - lag (lag 0: sy
 max_staleness). In async mode with `buffer.lookahead: adaptive` the buffer lowers that bound, in prompts, to what
 keeps the trainer fed (`rollout/lookahead.py`). The gate counts the prompts the buffer still accounts for
 (consumed, buffered, in flight), so a dropped or requeued prompt frees its place for another and the trainer's
-batch still fills.
+batch still fills; the buffer applies it (`RolloutBuffer.claim_gated`), and one claim serves every worker of an
+engine that waits for a prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -28,7 +30,8 @@ from megatron_rl.rollout.types import Group, Sample
 
 MODE_LAG = {"sync": 0, "one_step_off": 1}
 SEED_STRIDE = 1 << 12  # samples per prompt that get distinct seeds; far above any group size in use
-GATE_POLL_S = 0.05  # how often a worker held at the gate asks the buffer again
+GATE_POLL_S = 0.05  # how often a worker waiting for an engine to recover asks it again
+GATE_WAIT_S = 0.2  # longest a claim waits in the buffer for the gate to open (a stop is seen that soon)
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +91,13 @@ class GenerationDriver:
         self.cfg = cfg
         self.lag = lag
         self.stats = DriverStats()
-        self.trainer_version = 0
         self._stop = asyncio.Event()
         self._rewards = RewardRunner(cfg.task.reward_timeout_s, workers=2)
         if task is not None:
             task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties' default max_tokens
         self._claim_lock = asyncio.Lock()
+        self._claimed: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        """Engine -> prompts claimed for its workers, not taken by one yet."""
         self.failure: BaseException | None = None
         self.down: dict[str, str] = {}
         self._bad_rewards_in_a_row = 0
@@ -119,6 +123,7 @@ class GenerationDriver:
         workers = [asyncio.ensure_future(self._worker(name)) for name in self.engines for _ in range(per_engine)]
         try:
             await asyncio.gather(*workers)
+            await self._release_unstarted()
         finally:
             # One worker's error (or a cancel) ends them all: a leftover worker would score on a closed reward pool.
             for worker in workers:
@@ -136,43 +141,48 @@ class GenerationDriver:
                 f"buffer.{method} did not answer within {CALL_TIMEOUT_S:g} s; is the buffer actor alive?"
             ) from None
 
-    async def _gate_open(self) -> bool:
-        """Whether one more prompt may be claimed: the prompts the buffer accounts for (consumed, buffered and in
-        flight, all counted in prompts = groups) stay within the steps up to trainer version + lag.
-
-        Dropped prompts, and requeued ones waiting to be claimed again, do not count: each frees its place. With
-        lag 0 a step's prompts are claimed only at the version that trains on them (exactly on-policy), and the
-        counts come from the buffer's checkpoint, so a resumed run opens the gate where the uninterrupted one did.
-        """
-        stats = await self._call_buffer("stats")
-        self.trainer_version = stats["trainer_version"]
-        live = stats["consumed"] + stats["buffered"] + stats["in_flight"]
-        per_step = self.cfg.prompts_per_step
-        ahead = stats.get("lookahead_prompts")  # sized by the buffer from the trainer's waits, if it was asked to
-        ahead = self.lag * per_step if ahead is None else min(ahead, self.lag * per_step)
-        return live < (self.trainer_version + 1) * per_step + ahead
-
     async def _claim(self, engine: str) -> tuple[int, dict] | None:
-        """Claim one prompt when the gate allows it (the step it serves is close enough to the trainer).
+        """One prompt for a worker of `engine`, when the gate allows it (the step it serves is close enough to the
+        trainer; `RolloutBuffer.claim_gated`).
 
-        Claims are serialized, so the counts the gate reads include every earlier claim of this driver."""
+        Claims are serialized, so each sees every earlier claim of this driver. A claim takes a prompt for each of
+        the engine's workers (as many as the gate lets through): a step's prompts reach the engine together, and
+        it batches them; the workers take theirs from `_claimed` without asking the buffer."""
         async with self._claim_lock:
             start = time.perf_counter()
             # An engine that goes down while its worker waits here claims nothing: its actor handle is the dead one
             # until the restart, and the prompt would fail on it and be requeued once more by each waiting worker.
             while not self._stop.is_set() and engine not in self.down:
-                if await self._gate_open():
-                    claimed = await self._call_buffer("claim_prompts", 1, 0.2)
-                    if claimed:
-                        self.stats.claimed += 1
-                        self.stats.gate_wait_s += time.perf_counter() - start
-                        return claimed[0]
-                await asyncio.sleep(GATE_POLL_S)
+                if self._claimed[engine]:
+                    return self._claimed[engine].popleft()
+                workers = self.cfg.rollout.max_concurrent_prompts
+                claimed = await self._call_buffer(
+                    "claim_gated", workers, self.cfg.prompts_per_step, self.lag, GATE_WAIT_S
+                )
+                if claimed and (self._stop.is_set() or engine in self.down):  # while the buffer held the call
+                    await self._call_buffer("release", [index for index, _ in claimed])
+                    break
+                if claimed:
+                    self.stats.claimed += len(claimed)
+                    self.stats.gate_wait_s += time.perf_counter() - start
+                    self._claimed[engine].extend(claimed[1:])
+                    return claimed[0]
             return None
+
+    async def _release_unstarted(self, engine: str | None = None) -> None:
+        """Give the buffer back the prompts claimed for workers of `engine` (default: every engine) that none of
+        them took: the engine went down, or the driver stops."""
+        queues = [self._claimed[engine]] if engine is not None else list(self._claimed.values())
+        unstarted = [index for queue in queues for index, _ in queue]
+        for queue in queues:
+            queue.clear()
+        if unstarted:
+            await self._call_buffer("release", unstarted)
 
     async def _worker(self, engine: str) -> None:
         while not self._stop.is_set():
             if engine in self.down:  # claim nothing for a dead engine: the prompt would only be requeued
+                await self._release_unstarted(engine)
                 await asyncio.sleep(0.2)
                 continue
             claimed = await self._claim(engine)

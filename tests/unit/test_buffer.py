@@ -607,3 +607,50 @@ def test_the_buffer_measures_the_trainers_wait_from_its_first_ask_and_reports_th
     assert len(buffer.get_batch(2, step)) == 2
     assert buffer.stats()["lookahead_prompts"] == min(8, before + 1)
     buffer.check_accounting()
+
+
+def test_claim_gated_lets_through_what_the_gate_allows_and_waits_for_the_next_version():
+    buffer = make_buffer(capacity=16)
+    # 2 prompts a step, one step of lag: the steps up to version 0 + 1, 4 prompts.
+    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1)] == [0, 1, 2, 3]
+    assert buffer.claim_gated(1, per_step=2, lag=1, timeout_s=0.05) == []  # shut until the trainer moves on
+    opened = threading.Timer(0.1, buffer.set_trainer_version, args=(1,))
+    opened.start()
+    start = time.monotonic()
+    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1, timeout_s=5)] == [4, 5]
+    assert time.monotonic() - start < 2  # woken by the new version, not at its deadline
+    # A dropped group frees its place: the gate counts what the buffer accounts for, not what was claimed.
+    assert buffer.put_group(make_group(0, tokens=0)) is False
+    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1)] == [6]
+    # The lookahead, where configured, lowers the bound: one prompt ahead of the trainer's step.
+    assert buffer.configure_lookahead(prompts_per_step=2, max_steps=1) == 2
+    buffer.lookahead.prompts = 1
+    buffer.set_trainer_version(2)  # up to step 3's prompts (6) + 1 ahead: 7 live, one more than now
+    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1)] == [7]
+    assert buffer.claim_gated(10, per_step=2, lag=1, timeout_s=0.05) == []
+    buffer.check_accounting()
+
+
+def test_claim_gated_waits_out_its_timeout_when_the_stream_is_used_up():
+    buffer = make_buffer(2, epochs=1, capacity=8)
+    assert len(buffer.claim_gated(5, per_step=2, lag=1)) == 2
+    start = time.monotonic()
+    assert buffer.claim_gated(5, per_step=2, lag=1, timeout_s=0.1) == []
+    assert buffer.claim_gated(5, per_step=2, lag=1, timeout_s=0.1) == []
+    assert time.monotonic() - start >= 0.15  # no busy loop of empty answers for a caller that asks again
+    with pytest.raises(RolloutBufferError, match="per_step=0 >= 1"):
+        buffer.claim_gated(1, per_step=0, lag=1)
+
+
+def test_released_prompts_come_first_and_are_no_requeues():
+    buffer = make_buffer(capacity=8, max_requeues=0)
+    claimed = buffer.claim_prompts(3)
+    buffer.release([claimed[1][0], claimed[2][0]])
+    counts = buffer.check_accounting()
+    assert (counts["produced"], counts["in_flight"], counts["retry_pending"]) == (1, 1, 2)
+    assert buffer.stats()["requeued"] == 0
+    again = buffer.claim_prompts(3)
+    assert again[:2] == claimed[1:] and again[2][0] == 3  # the released ones first, in order, then the stream
+    with pytest.raises(RolloutBufferError, match=r"release: prompts \[9\] are not in flight"):
+        buffer.release([9])
+    buffer.check_accounting()

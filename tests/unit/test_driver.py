@@ -220,7 +220,7 @@ def test_a_buffer_that_does_not_answer_stops_the_driver_naming_the_call(monkeypa
     monkeypatch.setattr(driver_module, "CALL_TIMEOUT_S", 0.1)
     driver = _running_driver(None, CountingTask(), StandInEngine(), lag=0)
     driver.buffer = SilentBuffer()
-    with pytest.raises(GenerationError, match=r"buffer\.stats did not answer within 0\.1 s"):
+    with pytest.raises(GenerationError, match=r"buffer\.claim_gated did not answer within 0\.1 s"):
         asyncio.run(asyncio.wait_for(driver.run(), 10))
 
 
@@ -376,3 +376,51 @@ def test_driver_scores_evaluation_responses_without_samples():
     driver = _running_driver(None, task, StandInEngine(), 0)
     assert asyncio.run(driver.score(["a", "b"], {"answer": 0})) == [1.0, 1.0]
     assert math.isnan(asyncio.run(driver.score(["a"], {"answer": 1}))[0]) and task.reward_failures == 1
+
+
+class CountingCalls:
+    """The real buffer behind Ray's call syntax, counting the driver's claims and what each returned."""
+
+    def __init__(self, buffer: RolloutBuffer):
+        self.buffer, self.claims = buffer, []
+
+    def __getattr__(self, name: str):
+        method = getattr(self.buffer, name)
+
+        async def call(*args):
+            result = await asyncio.to_thread(method, *args)
+            if name == "claim_gated" and result:
+                self.claims.append([index for index, _ in result])
+            return result
+
+        return types.SimpleNamespace(remote=call)
+
+
+def test_one_claim_takes_a_prompt_for_each_waiting_worker_and_a_stop_gives_unstarted_ones_back():
+    # 4 prompts a step, 4 workers on the engine, on-policy: each step's prompts go out in one claim (the engine
+    # gets them together and batches them), not one claim and one look at the counts per prompt; a claim takes
+    # one for each of the engine's workers, not only those waiting at the time.
+    buffer = RolloutBuffer(capacity=16, prompts=PromptStream(CountingTask()))
+    calls = CountingCalls(buffer)
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        ["prompts_per_step=4", "rollout.samples_per_prompt=1", "rollout.max_concurrent_prompts=4"],
+    )
+    driver = GenerationDriver(calls, {"e0": StandInEngine()}, CountingTask(), StandInTokenizer(), cfg, lag=0)
+
+    async def scenario():
+        run = asyncio.create_task(driver.run())
+        try:
+            for version in range(3):
+                await _until(lambda: buffer.stats()["buffered"] == 4)
+                assert len(await asyncio.to_thread(buffer.get_batch, 4, version, 5.0)) == 4
+                buffer.set_trainer_version(version + 1)
+            await _until(lambda: buffer.stats()["buffered"] == 4)
+        finally:
+            driver.stop()
+            await asyncio.wait_for(run, 10)
+
+    asyncio.run(scenario())
+    assert calls.claims[:4] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    counts = buffer.check_accounting()
+    assert counts["in_flight"] == 0 and counts["dropped"] == 0  # nothing claimed was left hanging at the stop
