@@ -8,8 +8,8 @@ are only claimed once the trainer's weights are at version >= s - lag (lag 0: sy
 max_staleness). In async mode with `buffer.lookahead: adaptive` the buffer lowers that bound, in prompts, to what
 keeps the trainer fed (`rollout/lookahead.py`). The gate counts the prompts the buffer still accounts for
 (consumed, buffered, in flight), so a dropped or requeued prompt frees its place for another and the trainer's
-batch still fills; the buffer applies it (`RolloutBuffer.claim_gated`), and one claim serves every worker of an
-engine that waits for a prompt.
+batch still fills. The buffer applies it (`RolloutBuffer.claim_gated`); one claim takes prompts for every free
+worker and deals them out over the engines.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class GenerationDriver:
         self._claim_lock = asyncio.Lock()
         self._claimed: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         """Engine -> prompts claimed for its workers, not taken by one yet."""
+        self._busy = collections.Counter()
+        """Engine -> its workers holding a prompt (from taking it until its group is delivered or given back)."""
         self.failure: BaseException | None = None
         self.down: dict[str, str] = {}
         self._bad_rewards_in_a_row = 0
@@ -145,19 +147,21 @@ class GenerationDriver:
         """One prompt for a worker of `engine`, when the gate allows it (the step it serves is close enough to the
         trainer; `RolloutBuffer.claim_gated`).
 
-        Claims are serialized, so each sees every earlier claim of this driver. A claim takes a prompt for each of
-        the engine's workers (as many as the gate lets through): a step's prompts reach the engine together, and
-        it batches them; the workers take theirs from `_claimed` without asking the buffer."""
+        Claims are serialized, so each sees every earlier claim of this driver. A claim takes a prompt for every
+        free worker of every engine that is up (as many as the gate lets through) and deals them out in turn,
+        this worker's engine first: a step's prompts reach the engines together, and each batches its share. The
+        other workers take theirs from `_claimed` without asking the buffer."""
         async with self._claim_lock:
             start = time.perf_counter()
             # An engine that goes down while its worker waits here claims nothing: its actor handle is the dead one
             # until the restart, and the prompt would fail on it and be requeued once more by each waiting worker.
             while not self._stop.is_set() and engine not in self.down:
                 if self._claimed[engine]:
+                    self._busy[engine] += 1
                     return self._claimed[engine].popleft()
-                workers = self.cfg.rollout.max_concurrent_prompts
+                free = self._free_workers()
                 claimed = await self._call_buffer(
-                    "claim_gated", workers, self.cfg.prompts_per_step, self.lag, GATE_WAIT_S
+                    "claim_gated", sum(free.values()), self.cfg.prompts_per_step, self.lag, GATE_WAIT_S
                 )
                 if claimed and (self._stop.is_set() or engine in self.down):  # while the buffer held the call
                     await self._call_buffer("release", [index for index, _ in claimed])
@@ -165,9 +169,29 @@ class GenerationDriver:
                 if claimed:
                     self.stats.claimed += len(claimed)
                     self.stats.gate_wait_s += time.perf_counter() - start
-                    self._claimed[engine].extend(claimed[1:])
-                    return claimed[0]
+                    self._deal(claimed, engine, free)
             return None
+
+    def _free_workers(self) -> dict[str, int]:
+        """Engine (up) -> its workers that hold no prompt and have none waiting for them in `_claimed`."""
+        per_engine = self.cfg.rollout.max_concurrent_prompts
+        return {
+            name: per_engine - self._busy[name] - len(self._claimed[name])
+            for name in self.engines
+            if name not in self.down
+        }
+
+    def _deal(self, claimed: list, first: str, free: dict[str, int]) -> None:
+        """Deal the claimed prompts to the engines' free workers in turn, engine `first` first."""
+        order = [first, *(name for name in free if name != first)]
+        left, turn = dict(free), 0
+        for item in claimed:  # no more than the free workers: the claim asked for that many at most
+            while left[order[turn % len(order)]] <= 0:
+                turn += 1
+            name = order[turn % len(order)]
+            self._claimed[name].append(item)
+            left[name] -= 1
+            turn += 1
 
     async def _release_unstarted(self, engine: str | None = None) -> None:
         """Give the buffer back the prompts claimed for workers of `engine` (default: every engine) that none of
@@ -188,28 +212,34 @@ class GenerationDriver:
             claimed = await self._claim(engine)
             if claimed is None:  # stopped, or the engine went down meanwhile
                 continue
-            index, record = claimed
             try:
-                results = await self._generate(engine, index, record)
-            except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
-                self.stats.engine_failures += 1
-                why = error_line(err)
-                if is_actor_death(err):
-                    self.mark_down(engine, why)
-                await self._requeue(index, engine, why)
-                self.failure = err
-                await self._until_engine_ready(engine)  # claim nothing it would fail (and burn) meanwhile
-                continue
-            try:
-                group = await self._score(index, record, results)
-            except TeacherError as err:  # the teacher failed (its scorer restarts a dead one): the prompt goes back
-                self.stats.teacher_failures += 1
-                await self._requeue(index, "teacher", str(err))
-                continue
-            accepted = await self._call_buffer("put_group", group)  # first: a dropped group is accounted for
-            self.stats.groups += int(accepted)
-            self.stats.dropped_by_buffer += int(not accepted)
-            self._check_rewards(group)
+                await self._serve(engine, *claimed)
+            finally:
+                self._busy[engine] -= 1
+
+    async def _serve(self, engine: str, index: int, record: dict) -> None:
+        """Generate, score and deliver the group of prompt `index`; a failing engine or teacher gives it back."""
+        try:
+            results = await self._generate(engine, index, record)
+        except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
+            self.stats.engine_failures += 1
+            why = error_line(err)
+            if is_actor_death(err):
+                self.mark_down(engine, why)
+            await self._requeue(index, engine, why)
+            self.failure = err
+            await self._until_engine_ready(engine)  # claim nothing it would fail (and burn) meanwhile
+            return
+        try:
+            group = await self._score(index, record, results)
+        except TeacherError as err:  # the teacher failed (its scorer restarts a dead one): the prompt goes back
+            self.stats.teacher_failures += 1
+            await self._requeue(index, "teacher", str(err))
+            return
+        accepted = await self._call_buffer("put_group", group)  # first: a dropped group is accounted for
+        self.stats.groups += int(accepted)
+        self.stats.dropped_by_buffer += int(not accepted)
+        self._check_rewards(group)
 
     async def _requeue(self, index: int, who: str, why: str) -> None:
         """Give prompt `index` back to the buffer after `who` failed on it (the buffer counts and limits requeues)."""

@@ -396,10 +396,11 @@ class CountingCalls:
         return types.SimpleNamespace(remote=call)
 
 
-def test_one_claim_takes_a_prompt_for_each_waiting_worker_and_a_stop_gives_unstarted_ones_back():
-    # 4 prompts a step, 4 workers on the engine, on-policy: each step's prompts go out in one claim (the engine
-    # gets them together and batches them), not one claim and one look at the counts per prompt; a claim takes
-    # one for each of the engine's workers, not only those waiting at the time.
+def test_a_steps_prompts_go_out_in_a_claim_or_two_and_a_stop_gives_unstarted_ones_back():
+    # 4 prompts a step, 4 workers on the engine, on-policy: a claim takes a prompt for each free worker, so a
+    # step's prompts reach the engine together (it batches them), not one claim and one look at the counts per
+    # prompt. A worker that comes back while the others still deliver their groups waits in the buffer for one
+    # prompt; those that come back after it claim the rest at once.
     buffer = RolloutBuffer(capacity=16, prompts=PromptStream(CountingTask()))
     calls = CountingCalls(buffer)
     cfg = load_config(
@@ -421,6 +422,22 @@ def test_one_claim_takes_a_prompt_for_each_waiting_worker_and_a_stop_gives_unsta
             await asyncio.wait_for(run, 10)
 
     asyncio.run(scenario())
-    assert calls.claims[:4] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert calls.claims[0] == [0, 1, 2, 3]  # at the start every worker is free
+    steps = [[claim for claim in calls.claims if claim[0] // 4 == step] for step in range(4)]
+    assert all(sum(steps[step], []) == list(range(4 * step, 4 * step + 4)) for step in range(4))
+    assert all(len(claims) <= 2 for claims in steps), calls.claims
     counts = buffer.check_accounting()
     assert counts["in_flight"] == 0 and counts["dropped"] == 0  # nothing claimed was left hanging at the stop
+
+
+def test_a_claim_deals_prompts_over_the_engines_free_workers():
+    driver = _driver(limit=3)
+    driver.engines = {"a": None, "b": None, "c": None}
+    driver.mark_down("c", "ActorDiedError")
+    driver._busy["a"] = driver.cfg.rollout.max_concurrent_prompts - 1  # one free worker left on engine a
+    free = driver._free_workers()
+    assert free == {"a": 1, "b": driver.cfg.rollout.max_concurrent_prompts}
+    claimed = [(i, {}) for i in range(4)]
+    driver._deal(claimed, "b", free)
+    assert [i for i, _ in driver._claimed["b"]] == [0, 2, 3] and [i for i, _ in driver._claimed["a"]] == [1]
+    assert not driver._claimed["c"]
