@@ -196,8 +196,10 @@ class RolloutBuffer:
         The gate keeps the prompts this buffer accounts for (consumed, buffered and in flight) within the steps up
         to the trainer's version + `lag` (`per_step` prompts a step), or + the lookahead where one is configured
         (`configure_lookahead`), whichever is less. Dropped prompts and requeued ones waiting to be claimed again
-        do not count: each frees its place. Returns [] when it stays shut. One call instead of a look at the
-        counts and a claim per prompt: a step's prompts reach the engines together, which batch them.
+        do not count: each frees its place. With lag 0 a step's prompts are claimed only at the version that trains
+        on them (exactly on-policy); the counts are the buffer's own and go with its checkpoint, so a resumed run
+        opens the gate where the uninterrupted one did. Returns [] when it stays shut. One call instead of a look
+        at the counts and a claim per prompt: a step's prompts reach the engines together, which batch them.
         """
         if n < 0 or per_step < 1 or lag < 0:
             raise RolloutBufferError(f"claim_gated: n={n} >= 0, per_step={per_step} >= 1 and lag={lag} >= 0 needed")
