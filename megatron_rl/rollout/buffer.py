@@ -189,26 +189,30 @@ class RolloutBuffer:
             claimed.append(item)
         return claimed
 
-    def claim_gated(self, n: int, per_step: int, lag: int, timeout_s: float = 0.0) -> list[tuple[int, dict]]:
+    def claim_gated(self, n: int, per_step: int, lag: int, timeout_s: float = 0.0) -> dict[str, Any]:
         """`claim_prompts` behind the driver's gate, in one call: up to `n` prompts, no more than the gate lets
-        through, waiting up to `timeout_s` for it to open (the trainer's next version) and for a free slot.
+        through, waiting up to `timeout_s` for it to open (the trainer's next version) and for a free slot;
+        `{"prompts": [(prompt index, record), ...], "trainer_version": the trainer's version now}`.
 
         The gate keeps the prompts this buffer accounts for (consumed, buffered and in flight) within the steps up
         to the trainer's version + `lag` (`per_step` prompts a step), or + the lookahead where one is configured
         (`configure_lookahead`), whichever is less. Dropped prompts and requeued ones waiting to be claimed again
         do not count: each frees its place. With lag 0 a step's prompts are claimed only at the version that trains
         on them (exactly on-policy); the counts are the buffer's own and go with its checkpoint, so a resumed run
-        opens the gate where the uninterrupted one did. Returns [] when it stays shut. One call instead of a look
+        opens the gate where the uninterrupted one did. No prompts when it stays shut. One call instead of a look
         at the counts and a claim per prompt: a step's prompts reach the engines together, which batch them.
         """
         if n < 0 or per_step < 1 or lag < 0:
             raise RolloutBufferError(f"claim_gated: n={n} >= 0, per_step={per_step} >= 1 and lag={lag} >= 0 needed")
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            claimed: list[tuple[int, dict]] = []
             while min(self._gate_room(per_step, lag), self._free_slots()) <= 0 or not self._prompts_left():
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())):
-                    return []
-            return self._take_prompts(min(n, self._gate_room(per_step, lag)))
+                    break
+            else:
+                claimed = self._take_prompts(min(n, self._gate_room(per_step, lag)))
+            return {"prompts": claimed, "trainer_version": self.trainer_version}
 
     def _prompts_left(self) -> bool:
         """Whether a claim may find a prompt: one waits to be claimed again, or the stream may have more."""

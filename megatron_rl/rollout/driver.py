@@ -91,6 +91,8 @@ class GenerationDriver:
         self.cfg = cfg
         self.lag = lag
         self.stats = DriverStats()
+        self.trainer_version = 0
+        """The trainer's version as the buffer last told it (the launcher's evaluations follow it)."""
         self._stop = asyncio.Event()
         self._rewards = RewardRunner(cfg.task.reward_timeout_s, workers=2)
         if task is not None:
@@ -160,9 +162,10 @@ class GenerationDriver:
                     self._busy[engine] += 1
                     return self._claimed[engine].popleft()
                 free = self._free_workers()
-                claimed = await self._call_buffer(
+                answer = await self._call_buffer(
                     "claim_gated", sum(free.values()), self.cfg.prompts_per_step, self.lag, GATE_WAIT_S
                 )
+                claimed, self.trainer_version = answer["prompts"], answer["trainer_version"]
                 if claimed and (self._stop.is_set() or engine in self.down):  # while the buffer held the call
                     await self._call_buffer("release", [index for index, _ in claimed])
                     break

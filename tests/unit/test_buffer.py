@@ -609,37 +609,44 @@ def test_the_buffer_measures_the_trainers_wait_from_its_first_ask_and_reports_th
     buffer.check_accounting()
 
 
+def _gated(buffer: RolloutBuffer, *args, **kwargs) -> list:
+    """The prompts of a `claim_gated` call (its trainer version checked against the buffer's)."""
+    answer = buffer.claim_gated(*args, **kwargs)
+    assert answer["trainer_version"] == buffer.trainer_version
+    return answer["prompts"]
+
+
 def test_claim_gated_lets_through_what_the_gate_allows_and_waits_for_the_next_version():
     buffer = make_buffer(capacity=16)
     # 2 prompts a step, one step of lag: the steps up to version 0 + 1, 4 prompts.
-    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1)] == [0, 1, 2, 3]
-    assert buffer.claim_gated(1, per_step=2, lag=1, timeout_s=0.05) == []  # shut until the trainer moves on
+    assert [i for i, _ in _gated(buffer, 10, per_step=2, lag=1)] == [0, 1, 2, 3]
+    assert _gated(buffer, 1, per_step=2, lag=1, timeout_s=0.05) == []  # shut until the trainer moves on
     opened = threading.Timer(0.1, buffer.set_trainer_version, args=(1,))
     opened.start()
     start = time.monotonic()
-    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1, timeout_s=5)] == [4, 5]
+    assert [i for i, _ in _gated(buffer, 10, per_step=2, lag=1, timeout_s=5)] == [4, 5]
     assert time.monotonic() - start < 2  # woken by the new version, not at its deadline
     # A dropped group frees its place: the gate counts what the buffer accounts for, not what was claimed.
     assert buffer.put_group(make_group(0, tokens=0)) is False
-    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1)] == [6]
+    assert [i for i, _ in _gated(buffer, 10, per_step=2, lag=1)] == [6]
     # The lookahead, where configured, lowers the bound: one prompt ahead of the trainer's step.
     assert buffer.configure_lookahead(prompts_per_step=2, max_steps=1) == 2
     buffer.lookahead.prompts = 1
     buffer.set_trainer_version(2)  # up to step 3's prompts (6) + 1 ahead: 7 live, one more than now
-    assert [i for i, _ in buffer.claim_gated(10, per_step=2, lag=1)] == [7]
-    assert buffer.claim_gated(10, per_step=2, lag=1, timeout_s=0.05) == []
+    assert [i for i, _ in _gated(buffer, 10, per_step=2, lag=1)] == [7]
+    assert _gated(buffer, 10, per_step=2, lag=1, timeout_s=0.05) == []
     buffer.check_accounting()
 
 
 def test_claim_gated_waits_out_its_timeout_when_the_stream_is_used_up():
     buffer = make_buffer(2, epochs=1, capacity=8)
-    assert len(buffer.claim_gated(5, per_step=2, lag=1)) == 2
+    assert len(_gated(buffer, 5, per_step=2, lag=1)) == 2
     start = time.monotonic()
-    assert buffer.claim_gated(5, per_step=2, lag=1, timeout_s=0.1) == []
-    assert buffer.claim_gated(5, per_step=2, lag=1, timeout_s=0.1) == []
+    assert _gated(buffer, 5, per_step=2, lag=1, timeout_s=0.1) == []
+    assert _gated(buffer, 5, per_step=2, lag=1, timeout_s=0.1) == []
     assert time.monotonic() - start >= 0.15  # no busy loop of empty answers for a caller that asks again
     with pytest.raises(RolloutBufferError, match="per_step=0 >= 1"):
-        buffer.claim_gated(1, per_step=0, lag=1)
+        _gated(buffer, 1, per_step=0, lag=1)
 
 
 def test_released_prompts_come_first_and_are_no_requeues():

@@ -389,8 +389,8 @@ class CountingCalls:
 
         async def call(*args):
             result = await asyncio.to_thread(method, *args)
-            if name == "claim_gated" and result:
-                self.claims.append([index for index, _ in result])
+            if name == "claim_gated" and result["prompts"]:
+                self.claims.append([index for index, _ in result["prompts"]])
             return result
 
         return types.SimpleNamespace(remote=call)
@@ -426,6 +426,7 @@ def test_a_steps_prompts_go_out_in_a_claim_or_two_and_a_stop_gives_unstarted_one
     steps = [[claim for claim in calls.claims if claim[0] // 4 == step] for step in range(4)]
     assert all(sum(steps[step], []) == list(range(4 * step, 4 * step + 4)) for step in range(4))
     assert all(len(claims) <= 2 for claims in steps), calls.claims
+    assert driver.trainer_version == 3  # as the buffer told it with the claims (the launcher's evaluations follow it)
     counts = buffer.check_accounting()
     assert counts["in_flight"] == 0 and counts["dropped"] == 0  # nothing claimed was left hanging at the stop
 
