@@ -42,11 +42,13 @@ class Evaluator:
         self.done: list[dict] = []
 
     def due(self, trainer_version: int, last_evaluated: int | None, last_step: int) -> bool:
-        """Whether an evaluation is due at `trainer_version`: a multiple of the interval, or the last step."""
+        """Whether an evaluation is due at `trainer_version`: it reached a multiple of the interval that the last
+        evaluation did not (the launcher looks twice a second, and a fast trainer passes a multiple in between,
+        or while an evaluation still runs), or it is the last step."""
         interval = self.cfg.interval
         if not interval or not self.prompts or trainer_version == 0 or trainer_version == last_evaluated:
             return False
-        return trainer_version % interval == 0 or trainer_version == last_step
+        return trainer_version // interval > (last_evaluated or 0) // interval or trainer_version == last_step
 
     async def evaluate(self, version: int) -> dict:
         """One evaluation, tagged with the trainer `version` that asked for it; returns its `eval/*` metrics."""
