@@ -2,9 +2,10 @@
 
 Life of a prompt (its index is its data position in the `PromptStream`):
 
-    claim_prompts -> in flight --put_group--> buffered --get_batch--> consumed
-                        |  \\--requeue--> back to the retry queue (generated again, counted once)
-                        \\-- put_group of an invalid group / requeue limit --> dropped[reason]
+    claim_gated / claim_prompts -> in flight --put_group--> buffered --get_batch--> consumed
+                                      |  \\--requeue--> back to the retry queue (generated again, counted once)
+                                      |  \\--release (never started) --> back to the front of the retry queue
+                                      \\-- put_group of an invalid group / requeue limit --> dropped[reason]
     buffered --get_batch (stale, policy 'drop') / set_trainer_version--> dropped['stale']
 
 Invariant, checked by `check_accounting()` after anything: produced == consumed + dropped + buffered + in_flight,
@@ -18,11 +19,14 @@ every prompt still trains). A dropped prompt frees its place at the driver's gat
 until the batch is full. Every valid group counts in `groups_screened` and, when its rewards are all equal, in
 `zero_variance_groups`, dropped or not.
 
-Capacity bounds buffered + in-flight groups: `claim_prompts` reserves a slot for every prompt it hands out, so
+Claims: the driver's go through `claim_gated`, which also keeps generation within the steps the gate allows
+(`max_staleness` or the lookahead ahead of the trainer); `claim_prompts` is the claim without a gate.
+
+Capacity bounds buffered + in-flight groups: a claim reserves a slot for every prompt it hands out, so
 `put_group` never refuses for lack of space and no finished group is ever lost; generation waits (claims return
 fewer prompts) while the trainer lags.
 
-Concurrency: a threaded class. Every public method holds one lock; `claim_prompts` and `get_batch` wait on a
+Concurrency: a threaded class. Every public method holds one lock; the claims and `get_batch` wait on a
 condition variable (lock released) up to their timeout. As a Ray actor (`make_buffer_actor`) it runs with
 `max_concurrency` threads, so waiting calls must leave at least one thread free for `put_group`.
 """
