@@ -152,7 +152,6 @@ def _vllm() -> types.SimpleNamespace:
 
 
 def _engine_env(spec: EngineSpec) -> None:
-
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -160,6 +159,10 @@ def _engine_env(spec: EngineSpec) -> None:
         # vllm-cpu's automatic binding pins a worker to one core (and refuses several workers on one NUMA node);
         # the engine shares its cores with the trainer, and pinned it could not use the core of a waiting rank.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # One worker: let it run in the engine core process (vllm-cpu would give it one of its own unless this is
+        # 0), which saves a message-queue hop each decode step.
+        if spec.tensor_parallel * spec.data_parallel == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ[VLLM_PATCHES_ENV] = "1"  # our vLLM patches, applied by vLLM's plugin loader in each of its processes
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -308,9 +311,7 @@ class VLLMEngine:
         EngineError when the weights are inconsistent: before it starts, or when an update fails under it."""
         llm = self._require()
         self._check_consistent()
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
+        tokens, logprobs, versions = [], [], []  # token ids, their logprobs, the weight version of each
         continuations = 0
         finish = "length"
         segments: list[str] = []

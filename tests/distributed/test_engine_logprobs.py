@@ -3,6 +3,7 @@ the tempered one, which is what the trainer reproduces at the same temperature."
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 
@@ -25,6 +26,8 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
             for i in range(4)
         ]
         results = ray.get([pool.submit(r, "engine-0") for r in requests], timeout=300)
+        below = psutil.Process(pool.health()[0]["pid"]).children(recursive=True)
+        vllm_processes = sorted(t for t in (" ".join(p.cmdline()).strip() for p in below) if t.startswith("VLLM::"))
     finally:
         pool.shutdown()
     tempered_diffs, plain_diffs = [], []
@@ -37,5 +40,7 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
         tempered_diffs.append((engine - tempered).abs())
         plain_diffs.append((engine - plain).abs())
     assert sum(len(r.token_ids) for r in results) >= 64
+    # A single-worker CPU engine runs its model in vLLM's engine-core process: no worker process, no queue hop.
+    assert vllm_processes == ["VLLM::EngineCore"]
     assert torch.cat(tempered_diffs).max() <= 1e-3
     assert torch.cat(plain_diffs).mean() > 0.05  # vLLM's default (raw) logprobs would have matched these
