@@ -100,6 +100,8 @@ class GenerationDriver:
         self._claim_lock = asyncio.Lock()
         self._claimed: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         """Engine -> prompts claimed for its workers, not taken by one yet."""
+        self._bursts = 0
+        """Bursts dealt so far (one per engine per claim; `rollout/burst.py`)."""
         self._busy = collections.Counter()
         """Engine -> its workers holding a prompt (from taking it until its group is delivered or given back)."""
         self.failure: BaseException | None = None
@@ -187,20 +189,23 @@ class GenerationDriver:
     def _deal(self, claimed: list, first: str, free: dict[str, int]) -> None:
         """Deal the claimed prompts to the engines' free workers in turn, engine `first` first."""
         order = [first, *(name for name in free if name != first)]
-        left, turn = dict(free), 0
+        left, turn, dealt = dict(free), 0, collections.defaultdict(list)
         for item in claimed:  # no more than the free workers: the claim asked for that many at most
             while left[order[turn % len(order)]] <= 0:
                 turn += 1
             name = order[turn % len(order)]
-            self._claimed[name].append(item)
+            dealt[name].append(item)
             left[name] -= 1
             turn += 1
+        for name, items in dealt.items():  # each engine's share is one burst (rollout/burst.py)
+            self._bursts += 1
+            self._claimed[name].extend((index, record, (self._bursts, len(items))) for index, record in items)
 
     async def _release_unstarted(self, engine: str | None = None) -> None:
         """Give the buffer back the prompts claimed for workers of `engine` (default: every engine) that none of
         them took: the engine went down, or the driver stops."""
         queues = [self._claimed[engine]] if engine is not None else list(self._claimed.values())
-        unstarted = [index for queue in queues for index, _ in queue]
+        unstarted = [index for queue in queues for index, *_ in queue]
         for queue in queues:
             queue.clear()
         if unstarted:
@@ -220,10 +225,10 @@ class GenerationDriver:
             finally:
                 self._busy[engine] -= 1
 
-    async def _serve(self, engine: str, index: int, record: dict) -> None:
+    async def _serve(self, engine: str, index: int, record: dict, burst: tuple | None = None) -> None:
         """Generate, score and deliver the group of prompt `index`; a failing engine or teacher gives it back."""
         try:
-            results = await self._generate(engine, index, record)
+            results = await self._generate(engine, index, record, burst)
         except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
             self.stats.engine_failures += 1
             why = error_line(err)
@@ -284,7 +289,7 @@ class GenerationDriver:
                 f"last: prompt {group.prompt_index}: {errors[-1]}"
             )
 
-    async def _generate(self, engine: str, index: int, record: dict) -> list:
+    async def _generate(self, engine: str, index: int, record: dict, burst: tuple | None = None) -> list:
         rollout = self.cfg.rollout
         eos = getattr(self.tokenizer, "eos_token_id", None)
         requests = [
@@ -301,7 +306,7 @@ class GenerationDriver:
             for sample in range(rollout.samples_per_prompt)
         ]
         # One actor call for the group: on a small machine Ray's per-call cost is CPU that generation needs.
-        pending = self.engines[engine].generate_group.remote(requests)
+        pending = self.engines[engine].generate_group.remote(requests, burst)
         try:
             results = await asyncio.wait_for(pending, rollout.request_timeout_s)
         except asyncio.TimeoutError:

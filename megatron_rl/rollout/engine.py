@@ -22,7 +22,9 @@ import numpy as np
 from megatron_rl.errors import UserError
 from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_routes, kept_set_row, teacher_top_row
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+from megatron_rl.rollout.burst import BurstGate
 from megatron_rl.rollout.engine_lora import EngineLora
+from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
     DROP_ROUTES,
@@ -33,6 +35,8 @@ from megatron_rl.weights.engine.worker import (
     START_ROUTE_CAPTURE,
 )
 
+BURST_WAIT_S = 0.05
+"""The longest a group call waits for the other calls of its driver claim (`rollout/burst.py`)."""
 RESUME_WAIT_MARGIN_S = 60.0
 """How much longer than the weight update's own timeout a paused request waits for the resume before it fails."""
 
@@ -86,55 +90,6 @@ class EngineSpec:
     for requests that return their kept sets (`GenerationRequest.return_kept_sets`)."""
     lora_rank: int = 0
     """`lora.sync: vllm`: serve synced adapters (rank up to this) as a vLLM LoRA adapter (`engine_lora.py`); 0: off."""
-
-
-@dataclasses.dataclass
-class GenerationRequest:
-    """One sample to generate: prompt token ids and sampling settings."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    """Keep the top_k most likely tokens (after the temperature); -1: off."""
-    request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
-    """Per-request sampling seed: the same seed and weights give the same response whatever else the engine is
-    running (what makes a resumed run repeat the uninterrupted one); None samples from the engine's stream."""
-    return_kept_sets: bool = False
-    """Return the token set the top-k / top-p sampler kept at every response position (`GenerationResult.
-    kept_sets`), so the trainer masks its logits to that very set. Needs `top_k` (it bounds the set): the engine
-    asks vLLM for top_k + 1 processed logprobs, -inf outside the set."""
-
-    def __post_init__(self):
-        if self.return_kept_sets and self.top_k < 1:
-            raise ValueError(
-                f"request {self.request_id}: return_kept_sets needs top_k >= 1 (it bounds the kept set), got {self.top_k}"
-            )
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """What came back: the response tokens, each one's logprob and the weight version that produced it."""
-
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    engine: str
-    continuations: int = 0
-    """How many times the request was aborted (by a weight update) and continued from its prefix."""
-    routes: dict | None = None
-    """With `EngineSpec.capture_routes`: the experts every MoE layer chose for positions 0 .. P+T-2 of prompt +
-    response (the last token was never fed back), stitched across continuations (`models/routes.encode_routes`)."""
-    kept_sets: dict | None = None
-    """With `GenerationRequest.return_kept_sets`: every response token's kept set `[tokens, top_k]` int32 across
-    continuations (`models/routes.encode_kept_sets`, `kept_set_row`)."""
 
 
 @functools.cache
@@ -201,6 +156,7 @@ class VLLMEngine:
         native = spec.native_routes if spec.native_routes is not None else _on_gpu()
         self._native_routes = spec.capture_routes and native
         self._lora = EngineLora(spec.name, spec.model_path, spec.lora_rank)
+        self._bursts = BurstGate(BURST_WAIT_S)
 
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
@@ -371,8 +327,13 @@ class VLLMEngine:
             kept_sets=_encoded_kept(kept, req, len(tokens), self.spec.name) if req.return_kept_sets else None,
         )
 
-    async def generate_group(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
-        """`generate` for each of `reqs` at once (a prompt's samples): one actor call per group, not per sample."""
+    async def generate_group(self, reqs: list[GenerationRequest], burst: tuple | None = None) -> list[GenerationResult]:
+        """`generate` for each of `reqs` at once (a prompt's samples): one actor call per group, not per sample.
+
+        With `burst` (id, calls): first wait for the other calls the driver's claim dealt to this engine, so that
+        vLLM batches all their requests from its first step (`rollout/burst.py`)."""
+        if burst is not None:
+            await self._bursts.arrive(*burst)
         return list(await asyncio.gather(*(self.generate(r) for r in reqs)))
 
     async def _routes(self, segments: list[str], native: dict) -> dict:

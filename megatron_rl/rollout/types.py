@@ -1,6 +1,7 @@
 """Typed structs that cross process boundaries on the generation side: one `Sample` (a response with its
-behaviour logprobs and the weight version of every token) and one `Group` (the samples of one prompt); and the
-error of a task, its data or its rewards (`TaskError`).
+behaviour logprobs and the weight version of every token) and one `Group` (the samples of one prompt); what the
+driver asks an engine for and gets back (`GenerationRequest`, `GenerationResult`); and the error of a task, its
+data or its rewards (`TaskError`).
 
 Both are plain dataclasses of JSON-able fields: Ray ships them between actors, and `to_dict`/`from_dict` give the
 JSON form that buffer checkpoints hold (never a pickle).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import uuid
 from typing import Any
 
 from megatron_rl.errors import UserError
@@ -202,3 +204,52 @@ class Group:
             stale=bool(data.get("stale", False)),
             metadata=dict(data.get("metadata", {})),
         )
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """One sample to generate: prompt token ids and sampling settings."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """Keep the top_k most likely tokens (after the temperature); -1: off."""
+    request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    """Per-request sampling seed: the same seed and weights give the same response whatever else the engine is
+    running (what makes a resumed run repeat the uninterrupted one); None samples from the engine's stream."""
+    return_kept_sets: bool = False
+    """Return the token set the top-k / top-p sampler kept at every response position (`GenerationResult.
+    kept_sets`), so the trainer masks its logits to that very set. Needs `top_k` (it bounds the set): the engine
+    asks vLLM for top_k + 1 processed logprobs, -inf outside the set."""
+
+    def __post_init__(self):
+        if self.return_kept_sets and self.top_k < 1:
+            raise ValueError(
+                f"request {self.request_id}: return_kept_sets needs top_k >= 1 (it bounds the kept set), got {self.top_k}"
+            )
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What came back: the response tokens, each one's logprob and the weight version that produced it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    engine: str
+    continuations: int = 0
+    """How many times the request was aborted (by a weight update) and continued from its prefix."""
+    routes: dict | None = None
+    """With `EngineSpec.capture_routes`: the experts every MoE layer chose for positions 0 .. P+T-2 of prompt +
+    response (the last token was never fed back), stitched across continuations (`models/routes.encode_routes`)."""
+    kept_sets: dict | None = None
+    """With `GenerationRequest.return_kept_sets`: every response token's kept set `[tokens, top_k]` int32 across
+    continuations (`models/routes.encode_kept_sets`, `kept_set_row`)."""

@@ -519,7 +519,7 @@ class AlternatingEngine:
     def generate(self):
         return types.SimpleNamespace(remote=self._generate)
 
-    async def _generate_group(self, reqs):
+    async def _generate_group(self, reqs, burst=None):
         return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
 
     @property

@@ -5,6 +5,7 @@ a reward that exits on every call, and scoring for evaluation."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import re
@@ -18,6 +19,7 @@ import pytest
 from megatron_rl.config import TaskConfig, load_config
 from megatron_rl.rollout import driver as driver_module
 from megatron_rl.rollout.buffer import RolloutBuffer
+from megatron_rl.rollout.burst import BurstGate
 from megatron_rl.rollout.driver import GenerationDriver, GenerationError, RewardError, error_line
 from megatron_rl.rollout.engine import EngineError, GenerationRequest, GenerationResult
 from megatron_rl.rollout.tasks import PromptStream, Task, make_task
@@ -106,6 +108,8 @@ class StandInEngine:
 
     def __init__(self, errors: dict[int, list[BaseException]] | None = None):
         self.errors = errors or {}
+        self.bursts = BurstGate(0.05)  # the engine's own gate (rollout/burst.py), as VLLMEngine holds one
+        self.burst_calls: list[tuple[int, int] | None] = []
 
     async def _generate(self, req: GenerationRequest) -> GenerationResult:
         pending = self.errors.get(req.prompt_ids[1])
@@ -117,7 +121,10 @@ class StandInEngine:
     def generate(self):
         return types.SimpleNamespace(remote=self._generate)
 
-    async def _generate_group(self, reqs):
+    async def _generate_group(self, reqs, burst=None):
+        self.burst_calls.append(burst)
+        if burst is not None:
+            await self.bursts.arrive(*burst)
         return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
 
     @property
@@ -181,7 +188,8 @@ def test_sync_mode_replaces_a_dropped_group_so_the_step_still_fills():
         await trainer
 
     asyncio.run(main())
-    assert [[g.prompt_index for g in batch] for batch in batches] == [[1, 2], [3, 4]]
+    # (in the order the groups came back: the trainer sorts a batch by prompt index)
+    assert [sorted(g.prompt_index for g in batch) for batch in batches] == [[1, 2], [3, 4]]
     assert buffer.stats()["dropped_by_reason"] == {"bad_reward": 1}
     assert driver.stats.dropped_by_buffer == 1 and driver.stats.groups == 4
 
@@ -407,7 +415,8 @@ def test_a_steps_prompts_go_out_in_a_claim_or_two_and_a_stop_gives_unstarted_one
         "configs/quickstart.yaml",
         ["prompts_per_step=4", "rollout.samples_per_prompt=1", "rollout.max_concurrent_prompts=4"],
     )
-    driver = GenerationDriver(calls, {"e0": StandInEngine()}, CountingTask(), StandInTokenizer(), cfg, lag=0)
+    engine = StandInEngine()
+    driver = GenerationDriver(calls, {"e0": engine}, CountingTask(), StandInTokenizer(), cfg, lag=0)
 
     async def scenario():
         run = asyncio.create_task(driver.run())
@@ -423,6 +432,9 @@ def test_a_steps_prompts_go_out_in_a_claim_or_two_and_a_stop_gives_unstarted_one
 
     asyncio.run(scenario())
     assert calls.claims[0] == [0, 1, 2, 3]  # at the start every worker is free
+    # The first claim's 4 calls are one burst of 4 (the engine holds them until all came); no burst got more calls.
+    assert engine.burst_calls[:4] == [engine.burst_calls[0]] * 4 and engine.burst_calls[0][1] == 4
+    assert all(n <= size for (_, size), n in collections.Counter(engine.burst_calls).items())
     steps = [[claim for claim in calls.claims if claim[0] // 4 == step] for step in range(4)]
     assert all(sum(steps[step], []) == list(range(4 * step, 4 * step + 4)) for step in range(4))
     assert all(len(claims) <= 2 for claims in steps), calls.claims
@@ -440,5 +452,11 @@ def test_a_claim_deals_prompts_over_the_engines_free_workers():
     assert free == {"a": 1, "b": driver.cfg.rollout.max_concurrent_prompts}
     claimed = [(i, {}) for i in range(4)]
     driver._deal(claimed, "b", free)
-    assert [i for i, _ in driver._claimed["b"]] == [0, 2, 3] and [i for i, _ in driver._claimed["a"]] == [1]
+    assert [i for i, *_ in driver._claimed["b"]] == [0, 2, 3] and [i for i, *_ in driver._claimed["a"]] == [1]
     assert not driver._claimed["c"]
+    # Each engine's share of the claim is one burst, of as many calls as it was dealt (rollout/burst.py).
+    (b_burst,) = {burst for *_, burst in driver._claimed["b"]}
+    (a_burst,) = {burst for *_, burst in driver._claimed["a"]}
+    assert b_burst[1] == 3 and a_burst[1] == 1 and a_burst[0] != b_burst[0]
+    driver._deal([(4, {})], "a", {"a": 1, "b": 0})
+    assert driver._claimed["a"][-1][2][0] not in (a_burst[0], b_burst[0])  # a new claim, a new burst
