@@ -99,7 +99,7 @@ class GenerationDriver:
             task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties' default max_tokens
         self._claim_lock = asyncio.Lock()
         self._claimed: dict[str, collections.deque] = collections.defaultdict(collections.deque)
-        """Engine -> prompts claimed for its workers, not taken by one yet."""
+        """Engine -> prompts claimed for its workers, not taken by one yet: (index, record, burst)."""
         self._bursts = 0
         """Bursts dealt so far (one per engine per claim; `rollout/burst.py`)."""
         self._busy = collections.Counter()
@@ -147,7 +147,7 @@ class GenerationDriver:
                 f"buffer.{method} did not answer within {CALL_TIMEOUT_S:g} s; is the buffer actor alive?"
             ) from None
 
-    async def _claim(self, engine: str) -> tuple[int, dict] | None:
+    async def _claim(self, engine: str) -> tuple[int, dict, tuple[int, int]] | None:
         """One prompt for a worker of `engine`, when the gate allows it (the step it serves is close enough to the
         trainer; `RolloutBuffer.claim_gated`).
 
