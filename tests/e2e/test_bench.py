@@ -111,3 +111,16 @@ def test_lora_sync_bench_reports_adapter_and_full_sync_bytes_and_seconds():
     assert result["bytes_ratio"] < 0.2
     assert lora["sync_seconds"] > 0 and full["sync_seconds"] > 0
     assert max(lora["max_abs_logprob_diff"], full["max_abs_logprob_diff"]) <= 1e-3
+
+
+@pytest.mark.slow
+def test_floor_bench_times_every_part_and_derives_the_floors():
+    result = run_bench("floor.py", "--steps", "2")
+    parts = ["hf_update_share_1t", "hf_update_whole_2t", "hf_generate_2t", "vllm_generate_1t", "megatron_step_ep2"]
+    assert all(result[f"{part}_s"] > 0 for part in parts)
+    assert all(result[f"{part}_cpu_s"] > 0 for part in parts[:4])
+    share, vllm = result["hf_update_share_1t_s"], result["vllm_generate_1t_s"]
+    assert result["floor_disaggregated_s"] == pytest.approx((2 * share + vllm) / 2, abs=1e-3)
+    sync = result["hf_update_whole_2t_s"] + result["hf_generate_2t_s"]
+    assert result["floor_sync_s"] == pytest.approx(sync, abs=1e-3)
+    assert result["megatron_step_over_hf_share"] == pytest.approx(result["megatron_step_ep2_s"] / share, rel=1e-2)
