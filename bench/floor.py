@@ -3,7 +3,10 @@
 comparison's model (the random 4-layer Qwen3-MoE of seed 0) and a quickstart batch (8 count prompts x 8 samples,
 8 new tokens, `train_step_worker.quickstart_batch`):
 
-    .venv/bin/python bench/floor.py [--steps 10]
+    .venv/bin/python bench/floor.py [--steps 10] [--size tiny|wide]
+
+`--size wide`: the same on `train_step.py`'s compute model (hidden 512, 8 heads x 64), where the matmuls, not
+per-op costs, take the time.
 
 - `hf_update_share_1t`: transformers' forward, backward and AdamW step on one trainer rank's share (half the
   batch) on one thread: the least a rank of the EP2 trainer computes.
@@ -34,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from train_step import TINY
+from train_step import TINY, WIDE
 from train_step_worker import quickstart_batch
 
 from megatron_rl.models.tiny import make_tiny
@@ -137,6 +140,7 @@ def main() -> None:
     """Time every part and print them with the floors they give."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--size", choices=("tiny", "wide"), default="tiny")
     parser.add_argument("--vllm-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_child:
@@ -145,7 +149,7 @@ def main() -> None:
         [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     )
     with tempfile.TemporaryDirectory(prefix="mrl-bench-floor-") as tmp:
-        hf = make_tiny("qwen3_moe", Path(tmp) / "model", seed=0, overrides=TINY)
+        hf = make_tiny("qwen3_moe", Path(tmp) / "model", seed=0, overrides=TINY if args.size == "tiny" else WIDE)
         half = slice(0, PROMPTS * SAMPLES // 2)
         parts = {
             "hf_update_share_1t": hf_update(hf, half, 1, args.steps),
@@ -154,7 +158,7 @@ def main() -> None:
             "vllm_generate_1t": vllm_generate(hf, args.steps),
             "megatron_step_ep2": megatron_step(hf, args.steps, Path(tmp)),
         }
-    out = {f"{name}_{k}": v for name, part in parts.items() for k, v in part.items()}
+    out = {"size": args.size, **{f"{name}_{k}": v for name, part in parts.items() for k, v in part.items()}}
     share, vllm = parts["hf_update_share_1t"]["s"], parts["vllm_generate_1t"]["s"]
     out["floor_disaggregated_s"] = round((2 * share + vllm) / 2, 4)
     out["floor_sync_s"] = round(parts["hf_update_whole_2t"]["s"] + parts["hf_generate_2t"]["s"], 4)
