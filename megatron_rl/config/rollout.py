@@ -54,9 +54,10 @@ class RolloutConfig(Section):
     """CPU cores the engine processes run on (empty: all)."""
     enforce_eager: bool | None = None
     """Run vLLM eagerly (true) or compiled (false: torch.compile, plus CUDA graphs on GPU). Unset: compiled on GPU,
-    eager on CPU (where compiling costs more start-up than it saves) and wherever the workers capture the routes
-    themselves (routing replay without vLLM's native routes: the capture is bound to the routers after start-up,
-    which graphs compiled before would miss); false together with that capture is refused."""
+    eager on CPU (compiling adds 20-30 s to each start; a long CPU run gains from false) and wherever the workers
+    capture the routes themselves (routing replay without vLLM's native routes: the capture is bound to the
+    routers after start-up, which graphs compiled before would miss); false together with that capture is
+    refused."""
     max_engine_restarts: int = Field(3, ge=0)
     """How often each engine that dies is restarted (and brought to the current weights) before the run fails."""
     hang_timeout_s: float = Field(120.0, gt=0)

