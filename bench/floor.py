@@ -39,12 +39,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from train_step import TINY, WIDE
+from train_step import SETTINGS, TINY, WIDE, WORKLOADS, run_step_worker
 from train_step_worker import quickstart_batch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.models.tiny import make_tiny
-from megatron_rl.parallel.torchrun import run_torchrun
 from megatron_rl.rollout.tasks import CountTask, load_tokenizer
 
 PROMPTS, SAMPLES, NEW_TOKENS = 8, 8, 8
@@ -131,13 +130,10 @@ def vllm_child(hf: str, steps: int, compiled: bool) -> None:
 
 
 def megatron_step(hf: Path, steps: int, work: Path) -> dict:
-    """Our train step at EP2 with the quickstart's micro-batching (`bench/train_step_worker.py`)."""
-    spec = {"hf": str(hf), "layout": {"ep": 2}, "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS,
-            "full_share": 0.75, "warmup": 3, "steps": steps, "settings": {"quickstart": {"size": 8, "tokens": 4096}},
-            "out": str(work / "step.json")}  # fmt: skip
-    (work / "spec.json").write_text(json.dumps(spec))
-    run_torchrun("bench.train_step_worker", [str(work / "spec.json")], 2, timeout_s=900, log_path=work / "log.txt")
-    return {"s": json.loads((work / "step.json").read_text())["settings"]["quickstart"]["step_s"]}
+    """Our train step at EP2 with the quickstart's micro-batching (`bench/train_step.py`'s `tokens4096`)."""
+    settings = {"quickstart": SETTINGS["tokens4096"]}
+    report = run_step_worker(hf, work / "step", 2, WORKLOADS["quickstart"], settings, warmup=3, steps=steps)
+    return {"s": report["settings"]["quickstart"]["step_s"]}
 
 
 def main() -> None:
@@ -150,9 +146,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.vllm_child:
         return vllm_child(args.vllm_child, args.steps, args.compiled)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-    )
     with tempfile.TemporaryDirectory(prefix="mrl-bench-floor-") as tmp:
         hf = make_tiny("qwen3_moe", Path(tmp) / "model", seed=0, overrides=TINY if args.size == "tiny" else WIDE)
         half = slice(0, PROMPTS * SAMPLES // 2)

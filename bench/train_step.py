@@ -42,6 +42,21 @@ SETTINGS = {
 BASELINE = "mbs8"
 
 
+def run_step_worker(hf: Path, work: Path, ep: int, workload: dict, settings: dict, warmup: int, steps: int) -> dict:
+    """The worker's report (`train_step_worker.run`) for `settings` on 8 x 8 quickstart-like sequences of
+    `workload`'s response length and fill, at EP `ep` on as many gloo ranks; spec and log go to folder `work`."""
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # the workers import `bench.*`
+        os.environ["PYTHONPATH"] = os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])
+    work.mkdir(parents=True, exist_ok=True)
+    spec = {"hf": str(hf), "layout": {"ep": ep}, "prompts": 8, "samples": 8, "new_tokens": workload["new_tokens"],
+            "full_share": workload["full_share"], "warmup": warmup, "steps": steps, "settings": settings,
+            "out": str(work / "report.json")}  # fmt: skip
+    (work / "spec.json").write_text(json.dumps(spec))
+    run_torchrun(WORKER, [str(work / "spec.json")], ep, timeout_s=900, log_path=work / "log.txt")
+    return json.loads((work / "report.json").read_text())
+
+
 def main() -> None:
     """Run every workload's settings and print the comparison."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -50,21 +65,12 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--ep", type=int, default=2)
     args = parser.parse_args()
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-    )
     out = {"layout": f"ep{args.ep}", "steps": args.steps, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="mrl-bench-step-") as tmp:
         for name in args.workloads.split(","):
             work = WORKLOADS[name]
             hf = make_tiny("qwen3_moe", Path(tmp) / name, seed=0, overrides=work["model"])
-            spec = {"hf": str(hf), "layout": {"ep": args.ep}, "prompts": 8, "samples": 8,
-                    "new_tokens": work["new_tokens"], "full_share": work["full_share"], "warmup": args.warmup,
-                    "steps": args.steps, "settings": SETTINGS, "out": str(Path(tmp) / f"{name}.json")}  # fmt: skip
-            path = Path(tmp) / f"spec-{name}.json"
-            path.write_text(json.dumps(spec))
-            run_torchrun(WORKER, [str(path)], args.ep, timeout_s=900, log_path=Path(tmp) / f"log-{name}.txt")
-            report = json.loads(Path(spec["out"]).read_text())
+            report = run_step_worker(hf, Path(tmp) / name, args.ep, work, SETTINGS, args.warmup, args.steps)
             base = report["settings"][BASELINE]["step_s"]
             for row in report["settings"].values():
                 row["vs_mbs8"] = round(row["step_s"] / base, 3)

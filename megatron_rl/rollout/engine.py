@@ -176,7 +176,7 @@ class VLLMEngine:
             raise
         finally:
             self._started.set()
-        if self.spec.capture_routes and not self._native_routes:
+        if self._hook_routes:
             await self.collective_rpc(START_ROUTE_CAPTURE, timeout=self.spec.rpc_timeout_s)
         await self._lora.start(self, self.spec.rpc_timeout_s)
         return await self.health()
@@ -320,7 +320,7 @@ class VLLMEngine:
                 break
             routes = await self._routes(segments, native) if self.spec.capture_routes else None
         except BaseException:
-            if self.spec.capture_routes and not self._native_routes and segments:
+            if self._hook_routes and segments:
                 with contextlib.suppress(Exception):  # the error that got here matters more than the clean-up
                     await self.collective_rpc(DROP_ROUTES, args=(segments,), timeout=self.spec.rpc_timeout_s)
             raise
