@@ -28,7 +28,7 @@ from megatron_rl.models.base import CheckpointError
 from megatron_rl.models.hf_checkpoint import copy_side_files
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.parallel.patches import UnsafeCheckpointError, apply_torch_patches, read_metadata_safely
-from megatron_rl.trainer.optimizer import unwrap_model
+from megatron_rl.trainer.optimizer import torch_optimizers, unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,6 @@ def _sharded_state_dict(model, optimizer=None, optimizer_format: str = "", is_lo
     return state
 
 
-def _torch_optimizers(optimizer) -> list:
-    """The torch optimizers inside a Megatron optimizer (one per chained optimizer)."""
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [inner.optimizer for inner in chained if getattr(inner, "optimizer", None) is not None]
-
-
 @torch.no_grad()
 def allocate_optimizer_state(optimizer) -> None:
     """Give a fresh optimizer its per-parameter state by one update with zero gradients and lr 0 (a no-op).
@@ -80,7 +74,7 @@ def allocate_optimizer_state(optimizer) -> None:
     `len(steps) == 1` ("AssertionError" on loading into a fresh optimizer, megatron-core 0.16.1). With lr 0 the
     update and the decoupled weight decay leave every parameter unchanged; the loaded state replaces the rest.
     """
-    for torch_opt in _torch_optimizers(optimizer):
+    for torch_opt in torch_optimizers(optimizer):
         # Only torch's own Adam keeps its step in lazily created per-parameter state (not TE/Apex FusedAdam).
         if len(torch_opt.state) > 0 or not isinstance(torch_opt, torch.optim.Adam | torch.optim.AdamW):
             continue

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import clip_grads, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -162,7 +163,61 @@ def build_optimizer(ddp_model, cfg: OptimizerConfig):
     model_config = unwrap_model(ddp_model).config
     optimizer = get_megatron_optimizer(megatron_optimizer_config(cfg, model_config), [ddp_model])
     model_config.grad_scale_func = optimizer.scale_loss
+    use_fused_cpu_adam(optimizer)
     return optimizer
+
+
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron optimizer (one per chained part that has one)."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [inner.optimizer for inner in chained if getattr(inner, "optimizer", None) is not None]
+
+
+def use_fused_cpu_adam(optimizer) -> int:
+    """Switch torch's Adam/AdamW inside `optimizer` to its fused kernel where every parameter is a CPU float
+    tensor; return how many torch optimizers were switched.
+
+    Without Apex or Transformer Engine Megatron builds torch's AdamW with its defaults, which on CPU is the
+    per-tensor Python loop (torch picks `foreach` only for CUDA tensors); the fused CPU kernel does the same
+    update in one call per parameter group. GPU optimizers (TE/Apex FusedAdam, or torch's on CUDA) are left
+    as Megatron made them.
+    """
+    switched = 0
+    for torch_opt in torch_optimizers(optimizer):
+        if not isinstance(torch_opt, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        params = [p for group in torch_opt.param_groups for p in group["params"]]
+        if not params or any(p.device.type != "cpu" or not torch.is_floating_point(p) for p in params):
+            continue
+        if any(group.get("foreach") or group.get("differentiable") for group in torch_opt.param_groups):
+            continue  # torch refuses fused with either
+        torch_opt.defaults["fused"] = True
+        for group in torch_opt.param_groups:
+            group["fused"] = True
+        switched += 1
+    return switched
+
+
+def step_clipped_by(optimizer, grad_norm: float) -> tuple[bool, float | None]:
+    """(updated, zeros in the gradients or None) of one update whose gradients `prepare_grads()` readied and
+    whose global norm `get_grad_norm()` gave as `grad_norm`: each part's gradients clipped by that norm, then
+    stepped.
+
+    The same update as Megatron's `step()` (megatron-core 0.16.1, `ChainedOptimizer` and the single
+    optimizers), which would ready the gradients and compute the norm a second time: a pass over every
+    gradient and a collective per update.
+    """
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        params = [] if getattr(part, "is_stub_optimizer", False) else part.get_parameters()
+        if params and part.config.clip_grad > 0.0:
+            clip_grads.clip_grad_by_total_norm_fp32(  # looked up at call time: patched on CPU
+                params,
+                max_norm=part.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    zeros = optimizer.count_zeros() if optimizer.config.log_num_zeros_in_grad else None
+    return bool(optimizer.step_with_ready_grads()), zeros
 
 
 def build_scheduler(optimizer, cfg: OptimizerConfig, total_steps: int):

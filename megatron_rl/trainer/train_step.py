@@ -74,7 +74,7 @@ from megatron_rl.trainer.micro_batches import (
     sequence_lengths,
     unpacker,
 )
-from megatron_rl.trainer.optimizer import TrainingState, current_lr, unwrap_model, zero_grads
+from megatron_rl.trainer.optimizer import TrainingState, current_lr, step_clipped_by, unwrap_model, zero_grads
 from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
 
 
@@ -316,14 +316,13 @@ def _everyone_finite(ctx: ParallelContext, local_loss: float | None) -> bool:
 def _guarded_optimizer_step(state: TrainingState, loss_finite: bool) -> tuple[bool, float, float | None]:
     """The optimizer step unless the loss or the gradient norm is not finite: (stepped, grad norm, zeros).
 
-    The norm is taken before the step (`prepare_grads` puts the reduced gradients where `get_grad_norm` reads
-    them; the step repeats that copy, which is idempotent without a loss scaler: fp32 and bf16 have none).
+    The gradients are readied and their norm taken once, before the step decides (`step_clipped_by`).
     """
     found_inf = bool(state.optimizer.prepare_grads())
     grad_norm = float(state.optimizer.get_grad_norm())
     if found_inf or not loss_finite or not math.isfinite(grad_norm):
         return False, grad_norm, None
-    update_successful, _, num_zeros = state.optimizer.step()
+    update_successful, num_zeros = step_clipped_by(state.optimizer, grad_norm)
     if update_successful:
         state.scheduler.step(1)
     return bool(update_successful), grad_norm, num_zeros

@@ -40,6 +40,7 @@ SAMPLING = {"top_k": 400, "top_p": 0.9}
 sides of it, so the masked logprobs and the labels kept in the set although outside it are both exercised."""
 # Linear decay over 4 steps: the second step's lr (0.75e-3) shows the scheduler state survives a resume.
 OPTIM = {"lr": 1e-3, "lr_decay_style": "linear", "clip_grad": 1.0, "weight_decay": 0.01}
+CLIPPED = {**OPTIM, "clip_grad": 0.01}  # below every step's gradient norm: the clip always acts
 
 LAYOUTS = {
     "tp2": {"tp": 2},  # experts replicated over TP (ETP 1): their gradients are summed over the TP pair
@@ -195,6 +196,8 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         _case("neginf", root, moe, {}, [neginf], eval_path),
         moe_case("moe-mask-1x1x1", {}, sampling=SAMPLING),
         moe_case("moe-mask-mb4-1x1x1", {}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING),
+        moe_case("clip-1x1x1", {}, optimizer=CLIPPED),
+        moe_case("clip-megatron-1x1x1", {}, optimizer=CLIPPED, megatron_step=True),
     ]
     world2 = [moe_case(f"moe-{name}", layout) for name, layout in LAYOUTS.items() if name != "ep2"]
     world2 += [
@@ -218,6 +221,8 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         *(moe_case(f"moe-packed-{name}", LAYOUTS[name], **packed) for name in PACKED_LAYOUTS),
         moe_case("moe-packed-mb4-ep2", LAYOUTS["ep2"], algo=MINIBATCHES, mbs=1, total_steps=8, **packed),
         moe_case("moe-packed-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING, **packed),
+        moe_case("clip-ep2", LAYOUTS["ep2"], optimizer=CLIPPED),
+        moe_case("clip-megatron-ep2", LAYOUTS["ep2"], optimizer=CLIPPED, megatron_step=True),
     ]
     world2 += [
         _case(f"resume-{name}", root, moe, LAYOUTS[name], moe_batches[1:], eval_path, load_dir=ckpt)
@@ -391,6 +396,20 @@ def test_stats_are_sane(reports):
     assert 0 < step["is/truncated_frac"] < 0.5
     assert 0.05 < step["mismatch/abs_diff_mean"] < 0.5  # the behaviour noise (0.3) shows up
     assert step["kl/penalty"] > 0
+
+
+@pytest.mark.parametrize("layout", ["1x1x1", "ep2"])
+def test_one_gradient_norm_per_update_gives_megatrons_update(reports, layout):
+    """The update readies the gradients and takes their norm once, then clips and steps (`step_clipped_by`);
+    Megatron's `step()` does both again: the same norm (the worker asserts it) and the same weights after every
+    step, with the clip acting (at EP2 the dense and expert parts are DistributedOptimizers)."""
+    ours, megatron = reports[f"clip-{layout}"], reports[f"clip-megatron-{layout}"]
+    assert all(step["grad_norm"] > 10 * CLIPPED["clip_grad"] for step in ours["steps"])
+    for want, have in zip(megatron["evals"], ours["evals"], strict=True):
+        assert torch.equal(want, have)
+    assert float((ours["evals"][1] - ours["evals"][0]).abs().max()) > 100 * LOGPROB_TOL
+    # On CPU torch's AdamW runs its fused kernel (`use_fused_cpu_adam`) in both chained parts (dense, expert).
+    assert ours["fused_adam"] == [True, True]
 
 
 def test_learning_increases_logprob_of_rewarded_responses(reports):

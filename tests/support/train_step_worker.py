@@ -19,6 +19,8 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
     save_dir, save_after   (optional) save model + optimizer + scheduler after this many steps
     optimizer_format       (optional) DistributedOptimizer checkpoint format (default fully_reshardable)
     load_dir      (optional) load model + optimizer + scheduler before the first step
+    megatron_step (optional) update with Megatron's own `optimizer.step()` (which readies the gradients and
+                  takes their norm again) instead of `step_clipped_by`: the two must give the same update
 
 Several cases of the same world size share one launch: model-parallel groups are torn down and rebuilt between
 cases while the default process group stays (as in parity_worker).
@@ -26,18 +28,21 @@ cases while the default process group stays (as in parity_worker).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from unittest import mock
 
 import torch
 
 from megatron_rl.algorithms.sampling_mask import SamplingMask
 from megatron_rl.config import AlgorithmConfig, OptimizerConfig
 from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.trainer import train_step as train_step_module
 from megatron_rl.trainer.batch import TrainBatch, replica_share
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.learner import train_batch
 from megatron_rl.trainer.model import BuildOptions
-from megatron_rl.trainer.optimizer import build_training
+from megatron_rl.trainer.optimizer import build_training, torch_optimizers
 from megatron_rl.trainer.packing import MicroBatching
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.trainer.train_step import compute_logprobs, loss_spec, with_proximal_logprobs
@@ -63,6 +68,13 @@ def _one_step(state, ctx, batch, algo, mbs: MicroBatching, proximal_pass: bool, 
     stats = train_batch(state, ctx, share, algo, spec, mbs)
     stats["seconds"] = time.perf_counter() - start
     return stats
+
+
+def _megatron_step(optimizer, grad_norm: float):
+    """Megatron's whole `step()` in place of `step_clipped_by` (the norm it computes again must be the same)."""
+    stepped, norm, zeros = optimizer.step()
+    assert norm == grad_norm, (norm, grad_norm)
+    return stepped, zeros
 
 
 def _gradients(model) -> dict:
@@ -105,15 +117,20 @@ def run_case(case: dict) -> None:
     mask = SamplingMask(**case.get("sampling", {}))
     evals = [compute_logprobs(state.model, ctx, eval_tokens, mbs, mask)]
     steps = []
+    stepper = contextlib.nullcontext()
+    if case.get("megatron_step"):
+        stepper = mock.patch.object(train_step_module, "step_clipped_by", _megatron_step)
     for i, path in enumerate(case["batches"]):
-        steps.append(_one_step(state, ctx, load_batch(path), algo, mbs, bool(case.get("proximal_pass")), mask))
+        with stepper:
+            steps.append(_one_step(state, ctx, load_batch(path), algo, mbs, bool(case.get("proximal_pass")), mask))
         if i == 0 and case.get("grads_out") and _stats_owner(ctx):
             torch.save(_gradients(state.model), case["grads_out"])
         evals.append(compute_logprobs(state.model, ctx, eval_tokens, mbs, mask))
         if case.get("save_dir") and case.get("save_after") == i + 1:
             _save(state, rank, case, i + 1)
     if _stats_owner(ctx):
-        torch.save({"steps": steps, "evals": [e.cpu() for e in evals]}, case["out"])
+        fused = [all(g.get("fused") for g in opt.param_groups) for opt in torch_optimizers(state.optimizer)]
+        torch.save({"steps": steps, "evals": [e.cpu() for e in evals], "fused_adam": fused}, case["out"])
 
 
 if __name__ == "__main__":

@@ -88,10 +88,42 @@ def split_size_types():
     return seen["types"]
 
 
+def merged_dispatch():
+    import types
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    calls = []
+    def fake_all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None):
+        calls.append(tuple(inp.shape))
+        out.copy_(inp)
+    class G:
+        def size(self): return 2
+    fake = types.SimpleNamespace(
+        ep_size=2, ep_group=G(), output_splits=[2, 1], input_splits=[1, 2], tokens_per_expert=torch.tensor([3]),
+        _maybe_dtoh_and_synchronize=lambda point, t: t,
+    )
+    real, torch.distributed.all_to_all_single = torch.distributed.all_to_all_single, fake_all_to_all_single
+    res = {}
+    try:
+        tokens = torch.randn(3, 4, requires_grad=True)
+        probs = torch.rand(3, requires_grad=True)
+        got_tokens, got_probs = MoEAlltoAllTokenDispatcher.token_dispatch(fake, tokens, probs)
+        (got_tokens.sum() * 2 + (got_probs * 3).sum()).backward()
+        res["fp32_calls"] = calls[:]
+        res["fp32_equal"] = torch.equal(got_tokens, tokens) and torch.equal(got_probs, probs)
+        res["fp32_grads"] = [float(tokens.grad.min()), float(tokens.grad.max()), float(probs.grad.min()), float(probs.grad.max())]
+        calls.clear()
+        MoEAlltoAllTokenDispatcher.token_dispatch(fake, torch.randn(3, 4, dtype=torch.bfloat16), torch.rand(3))
+        res["mixed_calls"] = calls[:]
+    finally:
+        torch.distributed.all_to_all_single = real
+    return res
+
+
 # One process for every Megatron-side check: each import of Megatron costs seconds.
 out["optimizer"] = optimizer_checks()
 out["expert_bias_counts"] = expert_bias_counts()
 out["split_types"] = split_size_types()
+out["merged_dispatch"] = merged_dispatch()
 print(json.dumps(out))
 """
 
@@ -113,6 +145,7 @@ def test_all_patches_applied_once(patched):
         "optimizer_shared_step_tensor",
         "torch_norm_sequence_parallel",
         "all_to_all_split_lists",
+        "merged_dispatch_all_to_all",
         "moe_utils_te_names",
         "local_attention_mla_channels",
         "mla_have_te_flag",
@@ -137,6 +170,17 @@ def test_te_fallbacks(patched):
 
 def test_split_sizes_become_lists(patched):
     assert patched["split_types"] == ["list", "list"]
+
+
+def test_dispatch_sends_fp32_tokens_and_probs_in_one_all_to_all(patched):
+    out = patched["merged_dispatch"]
+    # fp32: one call with the probabilities as a fifth column, both come back intact, both get their gradients
+    # (the backward is one all-to-all too: the fake counts it).
+    assert out["fp32_calls"] == [[3, 5], [3, 5]]
+    assert out["fp32_equal"]
+    assert out["fp32_grads"] == [2.0, 2.0, 3.0, 3.0]
+    # bf16 tokens with fp32 probabilities: Megatron's two calls, nothing cast.
+    assert out["mixed_calls"] == [[3, 4], [3]]
 
 
 def test_optimizer_patches(patched):

@@ -279,6 +279,30 @@ def _patch_all_to_all_split_lists() -> None:
     mappings._AllToAll.forward = staticmethod(forward)
 
 
+def _patch_merged_dispatch_all_to_all() -> None:
+    """Cost, not a failure (megatron-core 0.16.1): the alltoall dispatcher sends the permuted tokens and their
+    routing probabilities in two all-to-alls with the same splits, so every MoE layer costs two extra collectives
+    a step (the second in backward too), each a point where the EP ranks wait for each other: on gloo these
+    latencies, not the bytes, take the time at small batches. When both have one dtype (fp32 training) the
+    probabilities travel as one more column of the tokens: one all-to-all forward and one backward, the same
+    values and gradients. Other dtypes (bf16 tokens, fp32 probabilities) keep Megatron's two calls."""
+    from megatron.core.tensor_parallel.mappings import all_to_all  # at apply time (see the module docstring)
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # as above
+
+    def wrap(original):
+        def token_dispatch(self, tokens, probs):
+            if self.ep_size == 1 or probs is None or probs.dtype != tokens.dtype or probs.shape != tokens.shape[:-1]:
+                return original(self, tokens, probs)
+            self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
+            both = torch.cat([tokens, probs.unsqueeze(-1)], dim=-1)
+            both = all_to_all(self.ep_group, both, self.output_splits, self.input_splits)
+            return both[..., :-1], both[..., -1]
+
+        return token_dispatch
+
+    _wrap_method(MoEAlltoAllTokenDispatcher, "token_dispatch", wrap)
+
+
 def _patch_moe_utils_te_names() -> None:
     """Failure (megatron-core 0.16.1; fixed later): without Transformer Engine, `moe_utils` never defines
     `te_general_gemm` and the other fused TE names, but `RouterGatingLinearFunction` tests
@@ -365,6 +389,7 @@ _CPU_ONLY = (
     _patch_optimizer_shared_step_tensor,
     _patch_torch_norm_sequence_parallel,
     _patch_all_to_all_split_lists,
+    _patch_merged_dispatch_all_to_all,
     _patch_moe_utils_te_names,
     _patch_local_attention_mla_channels,
     _patch_mla_have_te_flag,
