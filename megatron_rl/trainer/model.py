@@ -14,6 +14,7 @@ from megatron_rl.models import ModelArch, ModelFamily
 from megatron_rl.models.base import rope_theta
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.parallel.layout import check_layout_fits_model
+from megatron_rl.trainer.grouped_experts import use_grouped_local_experts
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +41,9 @@ class BuildOptions:
     logit_temperature: float = 1.0
     """Divide the output logits by this (the engines' sampling temperature), so the trainer's logprobs are those of
     the tempered policy the rollouts were sampled from and importance ratios compare like with like."""
+    grouped_experts: bool = True
+    """Without Transformer Engine, compute the routed experts with one grouped matmul per linear
+    (`grouped_experts.GroupedLocalExperts`) instead of SequentialMLP's loop; the same parameters and results."""
 
 
 def te_available() -> bool:
@@ -116,6 +120,8 @@ def build_gpt_model(
     config = make_transformer_config(family, arch, hf_config, ctx, opts)
     use_te = te_available() if opts.use_te is None else opts.use_te
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if opts.grouped_experts and not use_te:
+        use_grouped_local_experts(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -40,6 +40,7 @@ SAMPLING = {"top_k": 400, "top_p": 0.9}
 sides of it, so the masked logprobs and the labels kept in the set although outside it are both exercised."""
 # Linear decay over 4 steps: the second step's lr (0.75e-3) shows the scheduler state survives a resume.
 OPTIM = {"lr": 1e-3, "lr_decay_style": "linear", "clip_grad": 1.0, "weight_decay": 0.01}
+SEQUENTIAL = {"grouped_experts": False}  # Megatron's SequentialMLP loop for the routed experts
 CLIPPED = {**OPTIM, "clip_grad": 0.01}  # below every step's gradient norm: the clip always acts
 
 LAYOUTS = {
@@ -196,6 +197,10 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         _case("neginf", root, moe, {}, [neginf], eval_path),
         moe_case("moe-mask-1x1x1", {}, sampling=SAMPLING),
         moe_case("moe-mask-mb4-1x1x1", {}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING),
+        moe_case("moe-sequential-1x1x1", {}, mbs=4, build=SEQUENTIAL, **grads("moe-sequential-1x1x1")),
+        _case(
+            "ds-sequential-1x1x1", root, ds, {}, ds_batches, eval_path, build=SEQUENTIAL, **grads("ds-sequential-1x1x1")
+        ),
         moe_case("clip-1x1x1", {}, optimizer=CLIPPED),
         moe_case("clip-megatron-1x1x1", {}, optimizer=CLIPPED, megatron_step=True),
     ]
@@ -221,6 +226,7 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         *(moe_case(f"moe-packed-{name}", LAYOUTS[name], **packed) for name in PACKED_LAYOUTS),
         moe_case("moe-packed-mb4-ep2", LAYOUTS["ep2"], algo=MINIBATCHES, mbs=1, total_steps=8, **packed),
         moe_case("moe-packed-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING, **packed),
+        moe_case("moe-sequential-ep2", LAYOUTS["ep2"], build=SEQUENTIAL),
         moe_case("clip-ep2", LAYOUTS["ep2"], optimizer=CLIPPED),
         moe_case("clip-megatron-ep2", LAYOUTS["ep2"], optimizer=CLIPPED, megatron_step=True),
     ]
@@ -364,6 +370,25 @@ def test_packed_sequences_give_the_padded_losses_and_gradients(reports, family):
     assert diff <= 1e-5
     assert packed["steps"][0]["batch/micro_batches"] <= plain["steps"][0]["batch/micro_batches"]
     assert packed["steps"][0]["batch/token_fill"] >= plain["steps"][0]["batch/token_fill"]
+
+
+@pytest.mark.parametrize("family", ["moe", "ds"])
+def test_grouped_experts_train_as_megatrons_sequential_mlp(reports, family):
+    """The routed experts in one grouped matmul per linear (`GroupedLocalExperts`, the CPU default) against
+    Megatron's SequentialMLP loop: the same losses, logprobs after every step and first-step gradients."""
+    grouped, sequential = reports[f"{family}-1x1x1"], reports[f"{family}-sequential-1x1x1"]
+    assert all(step["grouped_mm_calls"] > 0 for step in grouped["steps"])
+    assert all(step["grouped_mm_calls"] == 0 for step in sequential["steps"])
+    _check_match(sequential, grouped)
+    diff = _check_gradients(reports["_root"], f"{family}-sequential-1x1x1", f"{family}-1x1x1")
+    print(f"{family}: grouped vs sequential experts, largest gradient difference {diff:.3g}")
+    assert diff <= 1e-6
+
+
+def test_grouped_experts_at_ep2_train_as_megatrons_sequential_mlp(reports):
+    """At EP2 (four local experts a rank, tokens from both ranks) the grouped experts match SequentialMLP."""
+    assert all(step["grouped_mm_calls"] > 0 for step in reports["moe-ep2"]["steps"])
+    _check_match(reports["moe-sequential-ep2"], reports["moe-ep2"])
 
 
 @pytest.mark.parametrize("layout", PACKED_LAYOUTS)

@@ -19,6 +19,7 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
     save_dir, save_after   (optional) save model + optimizer + scheduler after this many steps
     optimizer_format       (optional) DistributedOptimizer checkpoint format (default fully_reshardable)
     load_dir      (optional) load model + optimizer + scheduler before the first step
+    build         (optional) BuildOptions fields beside the defaults (e.g. {"grouped_experts": false})
     megatron_step (optional) update with Megatron's own `optimizer.step()` (which readies the gradients and
                   takes their norm again) instead of `step_clipped_by`: the two must give the same update
 
@@ -105,7 +106,9 @@ def _load(state, case: dict) -> None:
 def run_case(case: dict) -> None:
     """Bring the rank up, run the steps, let the stats owner write the report, tear down."""
     layout = ParallelLayout(**case["layout"])
-    opts = BuildOptions(init_weights=False, moe_aux_loss_coeff=case.get("moe_aux_loss_coeff", 0.0))
+    opts = BuildOptions(
+        init_weights=False, moe_aux_loss_coeff=case.get("moe_aux_loss_coeff", 0.0), **case.get("build", {})
+    )
     rank = bring_up_from_hf(case["hf"], layout, opts)
     ctx = rank.ctx
     algo = AlgorithmConfig(**case.get("algo", {}))
@@ -120,9 +123,11 @@ def run_case(case: dict) -> None:
     stepper = contextlib.nullcontext()
     if case.get("megatron_step"):
         stepper = mock.patch.object(train_step_module, "step_clipped_by", _megatron_step)
+    grouped = mock.patch.object(torch, "_grouped_mm", wraps=torch._grouped_mm)  # counts the grouped expert matmuls
     for i, path in enumerate(case["batches"]):
-        with stepper:
+        with stepper, grouped as grouped_mm:
             steps.append(_one_step(state, ctx, load_batch(path), algo, mbs, bool(case.get("proximal_pass")), mask))
+        steps[-1]["grouped_mm_calls"] = grouped_mm.call_count
         if i == 0 and case.get("grads_out") and _stats_owner(ctx):
             torch.save(_gradients(state.model), case["grads_out"])
         evals.append(compute_logprobs(state.model, ctx, eval_tokens, mbs, mask))
