@@ -40,9 +40,9 @@ from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
 from megatron_rl.trainer.routing_replay import BatchRouting
 from megatron_rl.trainer.setup import bring_up_from_hf
 from megatron_rl.trainer.train_step import (
-    broadcast_from_owner,
     compute_logprobs,
     loss_spec,
+    stats_for_rank0,
     train_step,
     with_proximal_and_untempered,
     with_proximal_logprobs,
@@ -206,7 +206,7 @@ def train_batch(
             batch, distill_stats = distill.apply(batch, untempered, ctx)
             extra |= distill_stats
     if algo.kl_in == "reward" or distill is not None:
-        extra = broadcast_from_owner(ctx, extra)
+        extra = stats_for_rank0(ctx, extra)
     minibatches = batch.minibatches(algo.ppo_minibatches)
     plans = [_minibatch_plan(mb, micro, ctx) for mb in minibatches]
     results = []

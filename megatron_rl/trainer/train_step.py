@@ -306,11 +306,17 @@ def forward_backward(
     return loss, joined("logprobs"), joined("entropy"), outside, top
 
 
-def _everyone_finite(ctx: ParallelContext, local_loss: float | None) -> bool:
-    """Whether every rank's loss is finite (ranks without a loss, off the last stage, count as finite)."""
-    bad = torch.tensor([0.0 if local_loss is None or math.isfinite(local_loss) else 1.0], device=ctx.device)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bool(bad.item() == 0)
+def _global_loss(ctx: ParallelContext, local_loss: float | None) -> tuple[float, bool]:
+    """(the whole-batch loss: the sum of the DP shares' losses, whether every rank's loss is finite), on every rank,
+    from one all-reduce. Ranks without a loss (off the last stage) count as finite; TP ranks other than 0 add no
+    share (theirs repeats rank 0's)."""
+    has_loss = local_loss is not None
+    share = local_loss if has_loss and ctx.tp_rank == 0 else 0.0
+    bad = 0.0 if not has_loss or math.isfinite(local_loss) else 1.0
+    both = torch.tensor([share, bad], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(both)
+    loss, bad_ranks = both.tolist()
+    return loss, bad_ranks == 0
 
 
 def _guarded_optimizer_step(state: TrainingState, loss_finite: bool) -> tuple[bool, float, float | None]:
@@ -336,12 +342,13 @@ def train_step(
     micro_batch_size: int | MicroBatching | MicroBatchPlan = 1,
     fresh_version: int | None = None,
 ) -> dict[str, float]:
-    """One optimizer update on this replica's share `batch`; the update's stats on every rank.
+    """One optimizer update on this replica's share `batch`; the update's stats.
 
     A decoupled loss uses the batch's `proximal_logprobs` (last-stage ranks) when given, else this forward's own
-    logprobs, detached. Stats: `loss` (the whole-batch loss that was differentiated), `grad_norm` (before
-    clipping), `lr` (of this update), `update_successful`, `guard/skipped` (1 when the loss or the gradient norm
-    was not finite and nothing was updated), the `ppo/*`, `is/*`, `kl/*`, `loss/*`, `policy/entropy` stats of
+    logprobs, detached. Stats on every rank: `loss` (the whole-batch loss that was differentiated), `grad_norm`
+    (before clipping), `lr` (of this update), `update_successful`, `guard/skipped` (1 when the loss or the gradient
+    norm was not finite and nothing was updated), `batch/micro_batches`, `batch/token_fill`. On rank 0, which logs
+    them (`stats_for_rank0`), also the `ppo/*`, `is/*`, `kl/*`, `loss/*`, `policy/entropy` stats of
     `policy_loss` and the `mismatch/*` metrics of current vs behaviour logprobs over the whole global batch;
     with `fresh_version` (the weights' version when the batch's first forward ran, given only when this update's
     proximal or current logprobs are that forward's) also `mismatch/fresh_*` over the tokens it sampled.
@@ -351,12 +358,14 @@ def train_step(
     zero_grads(state)
     local_loss, logprobs, entropy, outside, top = forward_backward(state.model, ctx, batch, spec, plan)
     lr = current_lr(state.optimizer)
-    stepped, grad_norm, num_zeros = _guarded_optimizer_step(state, _everyone_finite(ctx, local_loss))
+    loss, finite = _global_loss(ctx, local_loss)
+    stepped, grad_norm, num_zeros = _guarded_optimizer_step(state, finite)
     stats = None
     if ctx.is_last_stage:
-        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside, top), local_loss, spec, fresh_version)
-    stats = broadcast_from_owner(ctx, stats)
-    stats.update(grad_norm=grad_norm, lr=lr, update_successful=float(stepped), **{"guard/skipped": float(not stepped)})
+        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside, top), loss, spec, fresh_version)
+    stats = stats_for_rank0(ctx, stats)
+    stats.update(loss=loss, grad_norm=grad_norm, lr=lr, update_successful=float(stepped))
+    stats["guard/skipped"] = float(not stepped)
     if num_zeros is not None:
         stats["num_zeros_in_grad"] = float(num_zeros)
     stats["batch/micro_batches"] = float(plan.num_micro_batches)
@@ -373,14 +382,12 @@ def _global_batch_stats(
     ctx: ParallelContext,
     batch: TrainBatch,
     outputs: tuple,
-    local_loss: float,
+    loss: float,
     spec: LossSpec,
     fresh_version: int | None = None,
 ) -> dict[str, float] | None:
     """On the owner: stats of the whole global batch from every DP share (`outputs`: this share's logprobs,
-    entropy and labels outside the sampling mask, or None); None on other last-stage ranks."""
-    loss = torch.tensor([local_loss], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(loss, group=ctx.dp_group)
+    entropy and labels outside the sampling mask, or None) and its `loss`; None on other last-stage ranks."""
     if ctx.tp_rank != 0:
         return None
     share = (batch.to("cpu"), *(None if t is None else t.cpu() for t in outputs))
@@ -397,7 +404,7 @@ def _global_batch_stats(
     if spec.top_kl:
         top = torch.cat([g[4] for g in gathered], dim=0)
         stats["distill/top_kl"] = float(masked_mean(top.double(), as_bool_mask(full.loss_mask)))
-    stats["loss"] = float(loss.item())
+    stats["loss"] = loss
     return stats
 
 
@@ -442,8 +449,14 @@ def batch_stats(
     return {k: float(v) for k, v in stats.items()}
 
 
-def broadcast_from_owner(ctx: ParallelContext, stats: dict[str, float] | None) -> dict[str, float]:
-    """Send the stats owner's dictionary (last stage, TP and DP rank 0) to every rank of the trainer."""
+def stats_for_rank0(ctx: ParallelContext, stats: dict[str, float] | None) -> dict[str, float]:
+    """The stats owner's dictionary (last stage, TP and DP rank 0) where rank 0, which logs it, can read it.
+
+    Without pipeline parallelism the owner is rank 0: no collective, and the other ranks get {}. Otherwise one
+    broadcast from the owner gives every rank the dictionary."""
+    owner = _stats_owner(ctx)
+    if owner == 0:
+        return dict(stats or {}) if ctx.rank == 0 else {}
     box = [stats]
-    dist.broadcast_object_list(box, src=_stats_owner(ctx))
+    dist.broadcast_object_list(box, src=owner)
     return dict(box[0])

@@ -403,3 +403,27 @@ def test_algorithm_settings_that_cannot_work_fail_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _cfg(*overrides)
     assert _cfg("algorithm.ppo_minibatches=4", "algorithm.forced_lag=4", "mode=sync").algorithm.ppo_minibatches == 4
+
+
+def test_update_stats_reach_rank0_without_a_collective_unless_the_owner_is_elsewhere(monkeypatch):
+    """The stats owner (last stage, TP and DP rank 0) is rank 0 without pipeline parallelism: the others get {}
+    and nothing is sent; with PP2 the owner is a later rank and one broadcast carries its dictionary."""
+    from megatron_rl.trainer import train_step
+
+    sent = []
+
+    def broadcast_object_list(box, src):
+        sent.append(src)
+        box[0] = {"ppo/clip_frac": 0.25}
+
+    monkeypatch.setattr(train_step.dist, "broadcast_object_list", broadcast_object_list)
+
+    def ctx(rank, pp):
+        return types.SimpleNamespace(rank=rank, layout=types.SimpleNamespace(pp=pp, tp=1, data_parallel=2))
+
+    owned = {"ppo/clip_frac": 0.5}
+    assert train_step.stats_for_rank0(ctx(0, 1), owned) == owned
+    assert train_step.stats_for_rank0(ctx(1, 1), None) == {}
+    assert sent == []
+    assert train_step.stats_for_rank0(ctx(0, 2), None) == {"ppo/clip_frac": 0.25}
+    assert sent == [2]  # the last stage's TP and DP rank 0 (Megatron's rank order)
