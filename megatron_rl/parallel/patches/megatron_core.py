@@ -153,8 +153,7 @@ def _patch_param_type_names() -> None:
     While those functions run, `Tensor.type()` without arguments reports CPU tensors under their CUDA names.
     `_build_model_and_main_param_groups` is a classmethod in 0.16.1 (a staticmethod elsewhere): the wrapper keeps
     the descriptor. The wrappers nest (the builder runs inside `__init__`), so each restores what it found."""
-    from megatron.core.optimizer import clip_grads, distrib_optimizer  # at apply time (see the module docstring)
-    from megatron.core.optimizer import optimizer as optimizer_module  # at apply time (see the module docstring)
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer  # at apply time (module docstring)
 
     original_type = torch.Tensor.type
 
@@ -184,11 +183,11 @@ def _patch_param_type_names() -> None:
 
     for name in ("_build_model_and_main_param_groups", "__init__"):
         _wrap_method(distrib_optimizer.DistributedOptimizer, name, with_cuda_names)
-    _wrap_method(optimizer_module.Float16OptimizerWithFloat16Params, "__init__", with_cuda_names)
+    _wrap_method(optimizer.Float16OptimizerWithFloat16Params, "__init__", with_cuda_names)
     # optimizer.py imported the function by name: patch both references.
     clipped = with_cuda_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clipped
-    optimizer_module.clip_grad_by_total_norm_fp32 = clipped
+    optimizer.clip_grad_by_total_norm_fp32 = clipped
 
 
 def _patch_optimizer_state_step_key() -> None:
@@ -286,8 +285,7 @@ def _patch_merged_dispatch_all_to_all() -> None:
     latencies, not the bytes, take the time at small batches. When both have one dtype (fp32 training) the
     probabilities travel as one more column of the tokens: one all-to-all forward and one backward, the same
     values and gradients. Other dtypes (bf16 tokens, fp32 probabilities) keep Megatron's two calls."""
-    from megatron.core.tensor_parallel.mappings import all_to_all  # at apply time (see the module docstring)
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # as above
+    from megatron.core.transformer.moe import token_dispatcher  # at apply time (see the module docstring)
 
     def wrap(original):
         def token_dispatch(self, tokens, probs):
@@ -295,12 +293,12 @@ def _patch_merged_dispatch_all_to_all() -> None:
                 return original(self, tokens, probs)
             self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
             both = torch.cat([tokens, probs.unsqueeze(-1)], dim=-1)
-            both = all_to_all(self.ep_group, both, self.output_splits, self.input_splits)
+            both = token_dispatcher.all_to_all(self.ep_group, both, self.output_splits, self.input_splits)
             return both[..., :-1], both[..., -1]
 
         return token_dispatch
 
-    _wrap_method(MoEAlltoAllTokenDispatcher, "token_dispatch", wrap)
+    _wrap_method(token_dispatcher.MoEAlltoAllTokenDispatcher, "token_dispatch", wrap)
 
 
 def _patch_moe_utils_te_names() -> None:
