@@ -241,13 +241,18 @@ def _routed(routing: BatchRouting | None, batch: TrainBatch, plan: MicroBatchPla
 
 
 def weights_finite(model) -> bool:
-    """(Every rank, collectively) whether every parameter and buffer of every rank's model is finite."""
+    """(Every rank, collectively) whether every parameter and buffer of every rank's model is finite.
+
+    Each tensor's fp32 sum is finite exactly when its elements are, unless finite elements sum past fp32's range;
+    the sums (one fast reduction each, one host synchronisation for all) decide, and only a tensor whose sum is
+    not finite is checked element by element. `isfinite().all()` on every tensor took 9x as long on CPU."""
     model = unwrap_model(model)  # Megatron's DDP wrapper shadows `buffers` with its gradient buffers
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
     bad = 0.0
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = 1.0
-            break
+    if tensors:
+        sums = torch.stack([t.detach().sum(dtype=torch.float32) for t in tensors])
+        suspects = (~torch.isfinite(sums)).nonzero().flatten().tolist()
+        bad = float(any(not bool(torch.isfinite(tensors[i]).all()) for i in suspects))
     flag = torch.tensor([bad], device=next(model.parameters()).device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0

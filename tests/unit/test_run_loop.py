@@ -427,3 +427,20 @@ def test_update_stats_reach_rank0_without_a_collective_unless_the_owner_is_elsew
     assert sent == []
     assert train_step.stats_for_rank0(ctx(0, 2), None) == {"ppo/clip_frac": 0.25}
     assert sent == [2]  # the last stage's TP and DP rank 0 (Megatron's rank order)
+
+
+def test_the_finiteness_check_reads_sums_first_and_confirms_element_by_element(local_all_reduce):
+    """Finite elements whose fp32 sum overflows are finite (the element-wise check confirms a suspect sum); a
+    NaN in a bf16 parameter or an infinity in a buffer is not."""
+    model = torch.nn.Linear(2, 2, bias=False)
+    model.register_buffer("bias_counts", torch.zeros(3))
+    with torch.no_grad():
+        model.weight.fill_(3e38)  # every element finite, their sum is not
+    assert learner.weights_finite(model)
+    model.bias_counts[1] = float("inf")
+    assert not learner.weights_finite(model)
+    model.bias_counts[1] = 0.0
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight[1, 0] = float("nan")
+    assert not learner.weights_finite(model)
