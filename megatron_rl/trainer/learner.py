@@ -245,7 +245,7 @@ def weights_finite(model) -> bool:
 
     Each tensor's fp32 sum is finite exactly when its elements are, unless finite elements sum past fp32's range;
     the sums (one fast reduction each, one host synchronisation for all) decide, and only a tensor whose sum is
-    not finite is checked element by element. `isfinite().all()` on every tensor took 9x as long on CPU."""
+    not finite is checked element by element."""
     model = unwrap_model(model)  # Megatron's DDP wrapper shadows `buffers` with its gradient buffers
     tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
     bad = 0.0
