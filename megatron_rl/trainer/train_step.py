@@ -362,7 +362,7 @@ def train_step(
     stepped, grad_norm, num_zeros = _guarded_optimizer_step(state, finite)
     stats = None
     if ctx.is_last_stage:
-        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside, top), loss, spec, fresh_version)
+        stats = _global_batch_stats(ctx, batch, (logprobs, entropy, outside, top), spec, fresh_version)
     stats = stats_for_rank0(ctx, stats)
     stats.update(loss=loss, grad_norm=grad_norm, lr=lr, update_successful=float(stepped))
     stats["guard/skipped"] = float(not stepped)
@@ -382,12 +382,11 @@ def _global_batch_stats(
     ctx: ParallelContext,
     batch: TrainBatch,
     outputs: tuple,
-    loss: float,
     spec: LossSpec,
     fresh_version: int | None = None,
 ) -> dict[str, float] | None:
     """On the owner: stats of the whole global batch from every DP share (`outputs`: this share's logprobs,
-    entropy and labels outside the sampling mask, or None) and its `loss`; None on other last-stage ranks."""
+    entropy and labels outside the sampling mask, or None); None on other last-stage ranks."""
     if ctx.tp_rank != 0:
         return None
     share = (batch.to("cpu"), *(None if t is None else t.cpu() for t in outputs))
@@ -404,7 +403,6 @@ def _global_batch_stats(
     if spec.top_kl:
         top = torch.cat([g[4] for g in gathered], dim=0)
         stats["distill/top_kl"] = float(masked_mean(top.double(), as_bool_mask(full.loss_mask)))
-    stats["loss"] = loss
     return stats
 
 
