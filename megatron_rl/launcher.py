@@ -81,6 +81,7 @@ def engine_specs(cfg: RunConfig, hf_path: str) -> list:
             max_logprobs=max(20, r.top_k + 1) if cfg.returns_kept_sets else 20,
             lora_rank=cfg.lora.rank if cfg.lora.enabled and cfg.lora.sync == "vllm" else 0,
             enforce_eager=r.enforce_eager,
+            engine_core_in_process=r.engine_core_in_process,
         )
         for i in range(r.num_engines)
     ]  # fmt: skip

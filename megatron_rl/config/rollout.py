@@ -58,6 +58,10 @@ class RolloutConfig(Section):
     capture the routes themselves (routing replay without vLLM's native routes: the capture is bound to the
     routers after start-up, which graphs compiled before would miss); false together with that capture is
     refused."""
+    engine_core_in_process: bool | None = None
+    """Run vLLM's engine core in the engine actor's process (true) or in a process of its own, as vLLM does (false).
+    Unset: in-process on CPU engines with one worker (no tensor or data parallel), where the separate process only
+    adds message encoding and I/O threads on the trainer's cores; its own process elsewhere."""
     max_engine_restarts: int = Field(3, ge=0)
     """How often each engine that dies is restarted (and brought to the current weights) before the run fails."""
     hang_timeout_s: float = Field(120.0, gt=0)

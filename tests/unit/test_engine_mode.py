@@ -12,7 +12,8 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.launcher import engine_specs
 from megatron_rl.rollout import engine as engine_module
-from megatron_rl.rollout.engine import EngineError, EngineSpec, VLLMEngine, eager_mode
+from megatron_rl.rollout.engine import EngineError, EngineSpec, VLLMEngine
+from megatron_rl.rollout.engine_mode import core_in_process, eager_mode
 from megatron_rl.rollout.teacher import teacher_specs
 from megatron_rl.weights.engine.worker import WeightUpdateExtension
 
@@ -71,6 +72,28 @@ def test_the_setting_reaches_policy_and_teacher_engines(tmp_path):
     cfg = load_config(QUICKSTART, ["distill.teacher=snapshot", "rollout.enforce_eager=true"])
     assert [s.enforce_eager for s in teacher_specs(cfg)] == [True] * cfg.distill.num_engines
     assert load_config(QUICKSTART).rollout.enforce_eager is None
+
+
+@pytest.mark.parametrize(
+    ("asked", "workers", "on_gpu", "in_process"),
+    [
+        (None, 1, False, True),  # a one-worker CPU engine: its core in the actor's process
+        (None, 2, False, False),  # tensor or data parallel: vLLM starts the workers from its core's process
+        (None, 1, True, False),  # GPU: vLLM's own process schedules beside the device
+        (False, 1, False, False),
+        (True, 1, True, True),
+    ],
+)
+def test_engine_core_in_process_defaults_and_settings(asked, workers, on_gpu, in_process):
+    assert core_in_process(asked, workers, on_gpu) is in_process
+
+
+def test_the_core_setting_reaches_policy_and_teacher_engines(tmp_path):
+    assert load_config(QUICKSTART).rollout.engine_core_in_process is None
+    cfg = load_config(QUICKSTART, ["rollout.engine_core_in_process=false", "rollout.num_engines=2"])
+    assert [s.engine_core_in_process for s in engine_specs(cfg, str(tmp_path))] == [False, False]
+    cfg = load_config(QUICKSTART, ["distill.teacher=snapshot", "rollout.engine_core_in_process=true"])
+    assert [s.engine_core_in_process for s in teacher_specs(cfg)] == [True] * cfg.distill.num_engines
 
 
 def test_routing_perturbation_is_refused_on_a_compiled_engine():

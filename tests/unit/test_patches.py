@@ -295,3 +295,36 @@ def test_cpu_experts_under_expert_parallel_honour_the_expert_map():
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert "cpu_moe_expert_map" in out["patches"] and "cpu_communicator_gatherv" in out["patches"]
     assert out["max_diff"] < 1e-5, out
+
+
+ASYNC_CLIENT_PROBE = """
+import inspect, json
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import EngineCoreClient
+from megatron_rl.parallel.patches import async_llm_client
+made = []
+def factory(vllm_config, executor_class, log_stats, **mp_only):
+    made.append(sorted(mp_only))
+    return "in-process client"
+original = EngineCoreClient.make_async_mp_client
+with async_llm_client(factory):
+    inside = EngineCoreClient.make_async_mp_client(vllm_config=1, executor_class=2, log_stats=False, client_count=1)
+try:
+    with async_llm_client(factory):
+        raise KeyError("boom")
+except KeyError:
+    pass
+print(json.dumps({"inside": inside, "made": made, "restored": EngineCoreClient.make_async_mp_client is original,
+                  "asyncllm_calls_it": "EngineCoreClient.make_async_mp_client(" in inspect.getsource(AsyncLLM.__init__)}))
+"""
+
+
+def test_async_llm_builds_the_client_given_inside_the_block_only():
+    """`async_llm_client` swaps the client AsyncLLM builds for the block, and puts vLLM's back, also on an error;
+    AsyncLLM still builds its client through that static method (vLLM's code checked, not assumed)."""
+    pytest.importorskip("vllm")
+    result = subprocess.run([sys.executable, "-c", ASYNC_CLIENT_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {"inside": "in-process client", "made": [["client_count"]], "restored": True,
+                   "asyncllm_calls_it": True}  # fmt: skip

