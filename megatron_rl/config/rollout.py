@@ -61,7 +61,9 @@ class RolloutConfig(Section):
     engine_core_in_process: bool | None = None
     """Run vLLM's engine core in the engine actor's process (true) or in a process of its own, as vLLM does (false).
     Unset: in-process on CPU engines with one worker (no tensor or data parallel), where the separate process only
-    adds message encoding and I/O threads on the trainer's cores; its own process elsewhere."""
+    adds message encoding and I/O threads on the trainer's cores; its own process elsewhere. In-process, the
+    engine actor answers no call (health checks included) while a generation step or a weight update runs; true
+    is refused for engines of several workers."""
     max_engine_restarts: int = Field(3, ge=0)
     """How often each engine that dies is restarted (and brought to the current weights) before the run fails."""
     hang_timeout_s: float = Field(120.0, gt=0)

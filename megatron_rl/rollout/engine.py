@@ -178,8 +178,7 @@ class VLLMEngine:
             os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
         try:  # a refused setting is a start error too: `ready` callers get it instead of waiting out a timeout
             args = dataclasses.replace(self._engine_args(vllm), **self._lora.engine_args())
-            workers = self.spec.tensor_parallel * self.spec.data_parallel
-            self._core_in_process = core_in_process(self.spec.engine_core_in_process, workers, _on_gpu())
+            self._core_in_process = self._in_process()
             start = vllm.in_process_async_llm if self._core_in_process else vllm.AsyncLLM.from_engine_args
             self._llm = start(args)
         except BaseException as err:
@@ -230,6 +229,13 @@ class VLLMEngine:
         if self._llm is None:
             raise EngineError(f"engine {self.spec.name}: vLLM did not start ({self._start_error or 'shut down'})")
         return await self.health()
+
+    def _in_process(self) -> bool:
+        workers = self.spec.tensor_parallel * self.spec.data_parallel
+        try:
+            return core_in_process(self.spec.engine_core_in_process, workers, _on_gpu())
+        except ValueError as err:
+            raise EngineError(f"engine {self.spec.name}: {err}") from None
 
     def _eager(self) -> bool:
         try:

@@ -23,7 +23,13 @@ def eager_mode(enforce_eager: bool | None, hook_routes: bool, on_gpu: bool) -> b
 def core_in_process(asked: bool | None, workers: int, on_gpu: bool) -> bool:
     """Whether vLLM's engine core runs in the engine actor's process (`rollout/vllm_inproc.py`): `asked`
     (`rollout.engine_core_in_process`) when set, else on CPU with one worker (vLLM starts the workers of tensor or
-    data parallel engines from its engine-core process; on GPU that process schedules beside the device's work)."""
+    data parallel engines from its engine-core process; on GPU that process schedules beside the device's work).
+    ValueError when asked for an engine of several workers."""
+    if asked and workers > 1:
+        raise ValueError(
+            f"rollout.engine_core_in_process=true needs engines of one worker, not {workers} (tensor x data "
+            "parallel): vLLM starts the other workers from its engine-core process; leave it unset or false"
+        )
     if asked is not None:
         return asked
     return not on_gpu and workers == 1

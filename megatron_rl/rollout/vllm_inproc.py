@@ -41,7 +41,8 @@ class AsyncInprocClient(InprocClient):
 
     The methods AsyncLLM awaits run the in-process core's call directly (they take microseconds, or as long as the
     worker RPC runs); `get_output_async` steps the core whenever it holds requests and waits for an add or a
-    resume otherwise."""
+    resume otherwise. While a step or an RPC (a weight update) runs, the actor answers no other call: a CPU
+    engine's update takes a fraction of a second, far under the supervisor's `rollout.hang_timeout_s`."""
 
     def __init__(self, vllm_config, executor_class, log_stats: bool, **_mp_only):
         super().__init__(vllm_config, executor_class, log_stats)
@@ -92,6 +93,8 @@ class AsyncInprocClient(InprocClient):
             while core.scheduler.has_requests() and not self.resources.engine_dead:
                 self._work.set()
                 await asyncio.sleep(IDLE_STEP_PAUSE_S)
+            if core.scheduler.pause_state != PauseState.PAUSED_NEW:  # resumed while draining: stay resumed
+                return
             mode = "keep"  # nothing runs any more; this sets the pause and resets the caches as asked
         elif mode == "abort":  # the in-process core ends them but sends no outputs: their streams would hang
             ids = [r.request_id for r in core.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)]
@@ -126,11 +129,13 @@ class AsyncInprocClient(InprocClient):
 
 
 RUN_AT_ONCE = (
-    "get_supported_tasks", "reset_mm_cache", "reset_prefix_cache", "reset_encoder_cache", "sleep",
-    "release_kv_cache_memory", "wake_up", "is_sleeping", "execute_dummy_batch", "set_weight_version",
-    "get_weight_version", "add_lora", "remove_lora", "list_loras", "pin_lora", "save_sharded_state", "profile",
+    "get_supported_tasks", "reset_mm_cache", "reset_prefix_cache", "reset_encoder_cache", "execute_dummy_batch",
+    "set_weight_version", "get_weight_version", "add_lora", "remove_lora", "list_loras", "pin_lora",
+    "save_sharded_state", "profile",
 )  # fmt: skip
-"""The other calls AsyncLLM awaits (`<name>_async`): the in-process core's own method, run at once."""
+"""The other calls AsyncLLM awaits (`<name>_async`): the in-process core's own method, run at once. Sleep and
+wake-up are left out (vLLM's base client refuses them): the in-process core's abort sleep sends no outputs, so
+the streams it ends would wait for ever; the engine does not use them."""
 
 
 def _run_at_once(name: str):

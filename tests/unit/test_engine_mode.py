@@ -88,6 +88,14 @@ def test_engine_core_in_process_defaults_and_settings(asked, workers, on_gpu, in
     assert core_in_process(asked, workers, on_gpu) is in_process
 
 
+def test_an_in_process_core_is_refused_for_several_workers():
+    with pytest.raises(ValueError, match="engine_core_in_process=true needs engines of one worker, not 2"):
+        core_in_process(True, 2, False)
+    spec = EngineSpec("engine-5", "unused", tensor_parallel=2, engine_core_in_process=True)
+    with pytest.raises(EngineError, match=r"engine engine-5: rollout.engine_core_in_process=true needs engines"):
+        VLLMEngine(spec)._in_process()
+
+
 def test_the_core_setting_reaches_policy_and_teacher_engines(tmp_path):
     assert load_config(QUICKSTART).rollout.engine_core_in_process is None
     cfg = load_config(QUICKSTART, ["rollout.engine_core_in_process=false", "rollout.num_engines=2"])

@@ -303,9 +303,10 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core_client import EngineCoreClient
 from megatron_rl.parallel.patches import async_llm_client
 made = []
-def factory(vllm_config, executor_class, log_stats, **mp_only):
-    made.append(sorted(mp_only))
-    return "in-process client"
+class factory(EngineCoreClient):
+    def __new__(cls, vllm_config, executor_class, log_stats, **mp_only):
+        made.append(sorted(mp_only))
+        return "in-process client"
 original = EngineCoreClient.make_async_mp_client
 with async_llm_client(factory):
     inside = EngineCoreClient.make_async_mp_client(vllm_config=1, executor_class=2, log_stats=False, client_count=1)
