@@ -3,7 +3,7 @@
 `AsyncLLM` always runs its engine core in a process of its own and talks to it over ZMQ: every decode step's
 outputs are msgpack-encoded there and decoded here, and two I/O threads in each process move them. On a GPU that
 process keeps scheduling beside the device's work; on a CPU engine it only adds CPU time on the cores the trainer
-needs (docs/benchmarks.md, "The in-process engine core"). `AsyncInprocClient` gives AsyncLLM the async client
+needs (docs/benchmarks.md, "The engine core in the actor's process"). `AsyncInprocClient` gives AsyncLLM the async client
 interface over vLLM's own in-process `EngineCore` instead: the output handler's `get_output_async` runs one engine
 step in the event loop, so requests, aborts, pauses and RPCs land between steps, as they do between the busy
 loop's steps in vLLM's engine-core process. Everything above the client (request streams, output processing,
