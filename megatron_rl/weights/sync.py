@@ -255,14 +255,22 @@ class TrainerWeightSync:
             send_error = err if isinstance(err, TransportError) else f"{type(err).__name__}: {err}"
             sent = {}
         report = {"version": version, "sent": sent}
+        engines_error = None
         if self.is_coordinator:
-            # The engines' own answers say which engine failed, so they come before a transport error.
-            report["engines"] = ray_get_named(futures, self.timeout_s, f"weight update to version {version}")
+            try:
+                report["engines"] = ray_get_named(futures, self.timeout_s, f"weight update to version {version}")
+                self._reports = report["engines"]
+            except SyncError as err:
+                engines_error = err
+        # Every rank takes part in the follow-up broadcast, failed or not: a rank that raised before it left the
+        # others waiting there while it entered the recovery's all-gather (one engine's death can fail one
+        # rank's sends and not another's). Rank 0 sends no new agreement after a failure.
+        failed = engines_error is not None or send_error is not None
+        self._follow_engines(self._agreed_now() if self.is_coordinator and not failed else None)
+        if engines_error is not None:  # the engines' own answers say which engine failed: before a transport error
+            raise engines_error
         if send_error is not None:
             raise SyncError(f"rank {r.ctx.rank}: {send_error}")
-        if self.is_coordinator:
-            self._reports = report["engines"]
-        self._follow_engines(self._agreed_now() if self.is_coordinator else None)
         report["seconds"] = time.perf_counter() - start
         return report
 
@@ -284,7 +292,8 @@ class TrainerWeightSync:
         heard them: `agreed` is (layouts, places) there), or when asked to."""
         box = [agreed]
         dist.broadcast_object_list(box, src=0)
-        layouts, places = box[0]
+        # None: rank 0 has no new agreement (its push failed), the current one stands
+        layouts, places = box[0] if box[0] is not None else (self.layouts, self.places)
         if replan or (layouts, places) != (self.layouts, self.places):
             self.layouts, self.places = layouts, places
             self._replan()
