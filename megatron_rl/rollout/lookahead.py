@@ -13,8 +13,12 @@ counted one by one such waits ratchet it up to the bound. An idle fraction above
 lookahead by one prompt per multiple of the target past the first, up to a quarter of a step (the trainer is
 starved: generation must start earlier); `patience` cycles in a row under half the target lower it by one prompt
 (the groups were ready early: they could have been generated later, on newer weights). Lowering slowly and raising fast keeps the waits rare
-once the lookahead has found the edge: each probe below it costs one short wait. The bound stays `max_prompts` (= `max_staleness` steps), the floor 0
-(synchronous). Pure logic: no Ray, no clocks of its own.
+once the lookahead has found the edge: each probe below it costs one short wait. A probe costs the engines too: the
+prompt it held back is generated apart from the rest of its step's prompts, in engine steps of its own. So a probe
+that fails (the lookahead is raised again before the next lowering) doubles the calm cycles that a lowering back to
+the level that failed waits for, up to `max_backoff` times `patience`; where such a level then holds for that long,
+the back-off halves and the level is forgotten. The bound stays `max_prompts` (= `max_staleness` steps), the floor
+0 (synchronous). Pure logic: no Ray, no clocks of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +40,15 @@ class Lookahead:
     prompts: int = -1
     """The current lookahead; -1 at construction means one step (or `max_prompts` if smaller)."""
     patience: int = 4
-    """Cycles in a row without a wait before the lookahead is lowered by one prompt."""
+    """Cycles in a row without a wait before the lookahead is lowered by one prompt (times `backoff`)."""
+    max_backoff: int = 16
+    """Most times `patience` that a lowering waits for after failed probes."""
+    backoff: int = 1
+    """The current multiple of `patience` (module docstring)."""
+    probing: bool = False
+    """Whether the last change was a lowering that no raise has undone yet."""
+    failed_at: int = -1
+    """The level of the last failed probe (-1: none): lowering to it or below waits `backoff` times longer."""
     batches_seen: int = 0
     """Batches observed so far (the first one's wait is start-up, not generation falling behind)."""
     calm: int = 0
@@ -53,10 +65,12 @@ class Lookahead:
             or not 0 < self.target_idle < 1
             or self.patience < 1
             or self.window < 1
+            or self.max_backoff < 1
         ):
             raise ValueError(
                 f"Lookahead: prompts_per_step={self.prompts_per_step} must be >= 1, max_prompts={self.max_prompts}"
-                f" >= 0, target_idle={self.target_idle} in (0, 1), patience={self.patience} and window={self.window} >= 1"
+                f" >= 0, target_idle={self.target_idle} in (0, 1), patience={self.patience}, window={self.window}"
+                f" and max_backoff={self.max_backoff} >= 1"
             )
         if self.prompts < 0:
             self.prompts = min(self.prompts_per_step, self.max_prompts)
@@ -78,12 +92,23 @@ class Lookahead:
             # Up to a quarter step for a long wait; one prompt for a wait just past the target (on a busy
             # machine such waits come and go whatever the lookahead, and a quarter step each ratchets it up).
             raise_by = min(math.ceil(self.prompts_per_step / 4), max(1, math.ceil(idle / self.target_idle) - 1))
+            if self.probing:  # the last lowering went below the edge
+                self.backoff, self.failed_at = min(self.max_backoff, 2 * self.backoff), self.prompts
             self.prompts = min(self.max_prompts, self.prompts + raise_by)
-            self.calm, self.waited = 0, []
+            self.calm, self.waited, self.probing = 0, [], False
         elif idle < self.target_idle / 2:
             self.calm += 1
-            if self.calm >= self.patience:
-                self.prompts, self.calm, self.waited = max(0, self.prompts - 1), 0, []
+            self._lower_when_due()
         else:
             self.calm = 0
         return self.prompts
+
+    def _lower_when_due(self) -> None:
+        """Lower the lookahead by one prompt once enough calm cycles passed: `patience`, times `backoff` where that
+        goes back to the level of a failed probe or below; a failed level that held that long is forgotten."""
+        waits = self.patience * (self.backoff if self.prompts - 1 <= self.failed_at else 1)
+        if self.prompts == 0 or self.calm < waits:
+            return
+        if self.probing and self.prompts <= self.failed_at:  # it held that long at a level that once failed
+            self.backoff, self.failed_at = max(1, self.backoff // 2), -1
+        self.prompts, self.calm, self.waited, self.probing = self.prompts - 1, 0, [], True

@@ -48,15 +48,16 @@ def test_a_wait_between_half_the_target_and_the_target_holds_it():
         assert la.observe(wait_s=0.07, cycle_s=1.0) == 4
 
 
-def _loop_model(late_every: int = 0, cycles: int = 200) -> tuple[int, list[int]]:
-    """A model of the loop: the trainer waits 20% of a cycle whenever the lookahead is under one step (the missing
-    groups are generated from scratch after it asks); with `late_every` k, every k-th batch is also late by 6% of
-    its cycle whatever the lookahead. Returns the starved cycles and the lookahead after each cycle."""
-    la = Lookahead(prompts_per_step=8, max_prompts=32, target_idle=0.05, patience=4)
+def _loop_model(late_every: int = 0, cycles: int = 200, edge=lambda cycle: 8, **kwargs) -> tuple[int, list[int]]:
+    """A model of the loop: the trainer waits 20% of a cycle whenever the lookahead is under the edge (`edge(cycle)`
+    prompts, one step by default: the missing groups are generated from scratch after it asks); with `late_every`
+    k, every k-th batch is also late by 6% of its cycle whatever the lookahead. Returns the starved cycles and the
+    lookahead after each cycle."""
+    la = Lookahead(prompts_per_step=8, max_prompts=32, target_idle=0.05, patience=4, **kwargs)
     la.observe(0.0, None)
     starved_cycles, sizes = 0, []
     for cycle in range(cycles):
-        starved = la.prompts < 8
+        starved = la.prompts < edge(cycle)
         starved_cycles += starved
         late = late_every and cycle % late_every == late_every - 1
         la.observe(wait_s=0.2 if starved else (0.06 if late else 0.0), cycle_s=1.0)
@@ -82,7 +83,26 @@ def test_late_batches_now_and_then_are_read_as_a_share_of_the_time_not_one_by_on
     assert max(sizes[100:]) <= 12, max(sizes[100:])
 
 
-@pytest.mark.parametrize("bad", [dict(prompts_per_step=0), dict(max_prompts=-1), dict(target_idle=1.0), dict(window=0)])
+def test_failed_probes_back_off_so_the_edge_is_rarely_crossed():
+    """Each probe under the edge splits a step's prompts into two engine bursts and makes the trainer wait: after
+    failed probes the next waits twice as long (up to `max_backoff` times `patience`), so over 200 cycles a handful
+    of probes fail where one cycle in ten did without the back-off."""
+    starved_cycles, sizes = _loop_model()
+    no_backoff, _ = _loop_model(max_backoff=1)
+    assert starved_cycles <= 7 and no_backoff >= 18, (starved_cycles, no_backoff)
+    assert sizes[-100:].count(8) >= 95  # at the edge, one step ahead
+
+
+def test_after_backing_off_it_still_follows_an_edge_that_moves_down():
+    """Probes that hold halve the back-off again: when half a step ahead becomes enough (cycle 100), the lookahead
+    gets there, one successful probe after another."""
+    _, sizes = _loop_model(cycles=400, edge=lambda cycle: 8 if cycle < 100 else 4)
+    assert sizes[99] == 8 and min(sizes[100:]) >= 3 and sizes[-1] <= 5, (sizes[99], sizes[-1])
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(prompts_per_step=0), dict(max_prompts=-1), dict(target_idle=1.0), dict(window=0), dict(max_backoff=0)]
+)
 def test_bad_settings_are_refused_by_name(bad):
     kwargs = dict(prompts_per_step=4, max_prompts=8) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
