@@ -16,12 +16,16 @@ per-op costs, take the time.
   is (eager, its engine core in-process, prefix caching off, 64 requests each with its own seed); with
   `--compiled` also `vllm_generate_compiled_1t`, the same compiled (torch.compile). Both with their start-up
   seconds.
-- `megatron_step_ep2`: our train step (`train_batch`, the quickstart's micro-batching) at EP2 on two gloo ranks.
+- `megatron_step_ep2`: our train step (`train_batch`, the quickstart's micro-batching) at EP2 on two gloo ranks;
+  its `cpu_s` is both ranks' CPU seconds together.
 
 Each as median seconds per step (`*_s`) and CPU seconds of this process per step (`*_cpu_s`). Derived:
 `floor_disaggregated_s` = (two rank shares + the vLLM generation) / 2 cores, a step of our design with no
 overhead at all and both cores always busy; `floor_sync_s` = TRL's update + generation in one process;
-`megatron_step_over_hf_share` = how far our train step is above its compute floor.
+`megatron_step_over_hf_share` = how far our train step is above its compute floor; `floor_ours_s` = (the CPU
+seconds of Megatron-Core's train step on both ranks + vLLM's generation) / 2 cores, the least a step of our two
+stacks as they are can take here, with nothing else (weight push, batch hand-off, Ray, rewards) and no core ever
+idle; `floor_ours_over_sync` = that over `floor_sync_s` (at 1 or more, overlap alone cannot beat TRL's way).
 """
 
 from __future__ import annotations
@@ -133,7 +137,8 @@ def megatron_step(hf: Path, steps: int, work: Path) -> dict:
     """Our train step at EP2 with the quickstart's micro-batching (`bench/train_step.py`'s `tokens4096`)."""
     settings = {"quickstart": SETTINGS["tokens4096"]}
     report = run_step_worker(hf, work / "step", 2, WORKLOADS["quickstart"], settings, warmup=3, steps=steps)
-    return {"s": report["settings"]["quickstart"]["step_s"]}
+    row = report["settings"]["quickstart"]
+    return {"s": row["step_s"], "cpu_s": row["cpu_s_all_ranks"]}
 
 
 def main() -> None:
@@ -164,6 +169,8 @@ def main() -> None:
     out["floor_sync_s"] = round(parts["hf_update_whole_2t"]["s"] + parts["hf_generate_2t"]["s"], 4)
     out["floor_sync_over_disaggregated"] = round(out["floor_sync_s"] / out["floor_disaggregated_s"], 3)
     out["megatron_step_over_hf_share"] = round(parts["megatron_step_ep2"]["s"] / share, 3)
+    out["floor_ours_s"] = round((parts["megatron_step_ep2"]["cpu_s"] + parts["vllm_generate_1t"]["cpu_s"]) / 2, 4)
+    out["floor_ours_over_sync"] = round(out["floor_ours_s"] / out["floor_sync_s"], 3)
     print(json.dumps(out))
 
 

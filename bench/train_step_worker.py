@@ -101,17 +101,22 @@ def run(spec: dict, rank) -> dict:
     results = {}
     for name, micro in spec["settings"].items():
         settings = MicroBatching(**micro)
-        seconds, optimizer, stats = [], [], {}
+        seconds, cpu, optimizer, stats = [], [], [], {}
         for i in range(spec["warmup"] + spec["steps"]):
             torch.distributed.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             with timed_optimizer(optimizer):
                 stats = train_batch(state, ctx, share, algo, spec_loss, settings)
             if i >= spec["warmup"]:
                 seconds.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
         opt = optimizer[spec["warmup"] :]
+        # Every rank's median CPU seconds a step, summed: what the step costs the machine's cores.
+        cpu_all = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
+        torch.distributed.all_reduce(cpu_all)
         results[name] = {
             "step_s": round(statistics.median(seconds), 4),
+            "cpu_s_all_ranks": round(float(cpu_all), 4),
             "optimizer_s": round(statistics.median(opt), 4),
             "micro_batches": stats["batch/micro_batches"],
             "token_fill": round(stats["batch/token_fill"], 3),
