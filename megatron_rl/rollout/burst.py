@@ -6,15 +6,39 @@ The calls reach an engine a few milliseconds apart, and an idle vLLM starts a st
 gets: the others join in later steps, each stage of the batch then runs on a part of it, and the engine takes
 more (and emptier) steps for the same tokens. A burst is the calls one claim dealt to one engine; its calls wait
 here for each other, at most `wait_s`, and then go on together.
+
+Going on together takes the released calls a few event-loop iterations each (the wake-ups of their waits), while
+the call that completed the burst goes on at once: an engine core stepped in the actor's own event loop
+(`rollout/vllm_inproc.py`) would start with that call's requests alone. `until_quiet` is how it waits for the
+rest first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 CLOSED_KEPT = 256
 """How many released bursts are remembered, so that a call arriving after its burst was let go passes at once."""
+
+
+QUIET_ROUNDS = 2
+"""Event-loop iterations in a row that add no request before `until_quiet` returns."""
+MAX_ROUNDS = 16
+"""Most iterations `until_quiet` yields for, whatever arrives."""
+
+
+async def until_quiet(count: Callable[[], int], quiet: int = QUIET_ROUNDS, limit: int = MAX_ROUNDS) -> int:
+    """Yield to the event loop until `quiet` iterations in a row leave `count()` (requests added so far) unchanged,
+    or `limit` iterations passed; returns the iterations taken. Costs microseconds when nothing else is ready."""
+    still, rounds, seen = 0, 0, count()
+    while still < quiet and rounds < limit:
+        await asyncio.sleep(0)
+        rounds += 1
+        now = count()
+        still, seen = (still + 1 if now == seen else 0), now
+    return rounds
 
 
 class BurstGate:

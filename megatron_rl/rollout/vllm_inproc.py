@@ -25,6 +25,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.request import RequestStatus
 
 from megatron_rl.parallel.patches import async_llm_client
+from megatron_rl.rollout.burst import until_quiet
 
 IDLE_STEP_PAUSE_S = 0.001
 """Sleep after a step that ran no model while requests remain (vLLM's busy loop sleeps as long there)."""
@@ -50,6 +51,8 @@ class AsyncInprocClient(InprocClient):
         self.engine_ranks_managed = [0]
         self._work = asyncio.Event()  # an add or a resume may have given the core something to step
         self._ready: collections.deque[EngineCoreOutputs] = collections.deque()  # abort outputs of a pause
+        self.added = 0
+        """Requests added so far."""
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next step's outputs for AsyncLLM's output handler (abort outputs of a pause first)."""
@@ -60,6 +63,8 @@ class AsyncInprocClient(InprocClient):
             if not self.engine_core.scheduler.has_requests():  # nothing to run, or all of it paused
                 self._work.clear()
                 await self._work.wait()
+                # A burst's requests come from calls woken a few iterations apart: start with all of them.
+                await until_quiet(lambda: self.added)
                 continue
             try:
                 outputs, executed = self.engine_core.step_fn()
@@ -77,6 +82,7 @@ class AsyncInprocClient(InprocClient):
         """Queue a request in the core (AsyncLLM's `generate` calls it)."""
         self._require_alive()
         self.add_request(request)
+        self.added += 1
         self._work.set()
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
