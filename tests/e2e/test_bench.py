@@ -118,10 +118,13 @@ def test_floor_bench_times_every_part_and_derives_the_floors():
     result = run_bench("floor.py", "--steps", "2", "--compiled")
     parts = ["hf_update_share_1t", "hf_update_whole_2t", "hf_generate_2t", "vllm_generate_1t", "megatron_step_ep2"]
     assert all(result[f"{part}_s"] > 0 for part in [*parts, "vllm_generate_compiled_1t"])
-    assert all(result[f"{part}_cpu_s"] > 0 for part in parts[:4])
+    assert all(result[f"{part}_cpu_s"] > 0 for part in parts)  # megatron's: both ranks' CPU seconds
     assert result["vllm_generate_1t_startup_s"] > 0 and result["vllm_generate_compiled_1t_startup_s"] > 0
     share, vllm = result["hf_update_share_1t_s"], result["vllm_generate_1t_s"]
     assert result["floor_disaggregated_s"] == pytest.approx((2 * share + vllm) / 2, abs=1e-3)
     sync = result["hf_update_whole_2t_s"] + result["hf_generate_2t_s"]
     assert result["floor_sync_s"] == pytest.approx(sync, abs=1e-3)
     assert result["megatron_step_over_hf_share"] == pytest.approx(result["megatron_step_ep2_s"] / share, rel=1e-2)
+    ours = (result["megatron_step_ep2_cpu_s"] + result["vllm_generate_1t_cpu_s"]) / 2
+    assert result["floor_ours_s"] == pytest.approx(ours, abs=1e-3)
+    assert result["floor_ours_over_sync"] == pytest.approx(ours / result["floor_sync_s"], rel=1e-2)
