@@ -42,6 +42,7 @@ import dataclasses
 import math
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -389,11 +390,12 @@ def _global_batch_stats(
     entropy and labels outside the sampling mask, or None); None on other last-stage ranks."""
     if ctx.tp_rank != 0:
         return None
-    share = (batch.to("cpu"), *(None if t is None else t.cpu() for t in outputs))
+    share = (stats_view(batch), *outputs)
     gathered = [None] * ctx.layout.data_parallel if ctx.dp_rank == 0 else None
-    dist.gather_object(share, gathered, group=ctx.dp_group, group_dst=0)
+    dist.gather_object(_to_numpy(share), gathered, group=ctx.dp_group, group_dst=0)
     if ctx.dp_rank != 0:
         return None
+    gathered = [_from_numpy(g) for g in gathered]
     full = concat_batches([g[0] for g in gathered])
     current, entropy = (torch.cat([g[i] for g in gathered], dim=0) for i in (1, 2))
     stats = batch_stats(current, full, spec, entropy, fresh_version)
@@ -404,6 +406,49 @@ def _global_batch_stats(
         top = torch.cat([g[4] for g in gathered], dim=0)
         stats["distill/top_kl"] = float(masked_mean(top.double(), as_bool_mask(full.loss_mask)))
     return stats
+
+
+STATS_FIELDS = (
+    "tokens",
+    "loss_mask",
+    "advantages",
+    "behaviour_logprobs",
+    "proximal_logprobs",
+    "ref_logprobs",
+    "versions",
+)
+"""The `TrainBatch` fields `batch_stats` reads (`tokens` for the batch size): all of a share the stats owner gets."""
+
+
+def stats_view(batch: TrainBatch) -> TrainBatch:
+    """`batch` on the CPU with only `STATS_FIELDS` (the rest None): the routes, kept sets and teacher tensors of a
+    share would cost the stats owner memory and time that grow with the global batch, and the stats read none."""
+    return TrainBatch(**{f: getattr(batch, f) for f in STATS_FIELDS}).to("cpu")
+
+
+def _to_numpy(value):
+    """`value` (a tensor, TrainBatch, tuple or None) with its tensors moved to the CPU and, where numpy has their
+    dtype, as numpy arrays: those pickle as raw bytes, where a tensor pickles through torch.save (15x the CPU at
+    the quickstart's size, measured)."""
+    if isinstance(value, TrainBatch):
+        return TrainBatch(**{f.name: _to_numpy(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    if isinstance(value, tuple):
+        return tuple(_to_numpy(v) for v in value)
+    if isinstance(value, Tensor):
+        value = value.detach().cpu()
+        return value if value.dtype == torch.bfloat16 else value.numpy()
+    return value
+
+
+def _from_numpy(value):
+    """The inverse of `_to_numpy` (arrays back to CPU tensors)."""
+    if isinstance(value, TrainBatch):
+        return TrainBatch(**{f.name: _from_numpy(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    if isinstance(value, tuple):
+        return tuple(_from_numpy(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value if value.flags.writeable else value.copy())
+    return value
 
 
 def concat_batches(batches: list[TrainBatch]) -> TrainBatch:
