@@ -128,3 +128,15 @@ def test_floor_bench_times_every_part_and_derives_the_floors():
     ours = (result["megatron_step_ep2_cpu_s"] + result["vllm_generate_1t_cpu_s"]) / 2
     assert result["floor_ours_s"] == pytest.approx(ours, abs=1e-3)
     assert result["floor_ours_over_sync"] == pytest.approx(ours / result["floor_sync_s"], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_loop_cpu_bench_splits_a_steps_cpu_by_process_and_trainer_thread():
+    result = run_bench("loop_cpu.py", "--steps", "120", "--from-step", "30", "--window-s", "8")
+    roles, threads = result["cpu_ms_per_step"], result["trainer_threads_ms_per_step"]
+    assert result["steps"] > 0 and result["steps_per_s"] > 0
+    assert all(roles[role] > 0 for role in ("trainer_ranks", "engine", "driver", "buffer", "run_control"))
+    assert sum(roles.values()) == pytest.approx(result["total_ms_per_step"], abs=1.0)
+    assert sum(threads.values()) == pytest.approx(roles["trainer_ranks"], abs=1.0)
+    assert threads["main"] > 0 and threads["gloo"] > 0  # the ranks' own work and gloo's threads, apart
+    assert 0 < result["cores_busy"] <= 1.05

@@ -1,0 +1,184 @@
+"""Benchmark: where a step's CPU goes in the quickstart's loop, per process and per trainer thread.
+
+    .venv/bin/python bench/loop_cpu.py [--steps 300] [--from-step 60] [--window-s 20] [--override k=v ...]
+
+Runs `bench/peer_trl.py`'s megatron-rl side (configs/quickstart.yaml on the random 4-layer Qwen3-MoE of seed 0)
+and, once step `--from-step` is logged, reads the CPU time of every process of the run (this one, its torchrun
+ranks, Ray's processes and actors: all descendants of this process) from /proc at the start and the end of a
+`--window-s` window, counting the steps logged in it. On a small machine every process competes for the same
+cores, so a step's CPU seconds, not its wall time, say where it goes; they also vary less than tokens/s.
+
+Printed (one JSON object on stdout; progress on stderr): `steps` in the window and `steps_per_s`;
+`cpu_ms_per_step` by role: `trainer_ranks`, `engine` (the vLLM engine actors), `driver` (this process: the
+launcher and the generation driver), `buffer`, `run_control`, `other` (Ray's own processes, the torchrun agent);
+`trainer_threads_ms_per_step` (the ranks' main threads, gloo's transport and work threads, the rest);
+`total_ms_per_step` and `cores_busy` (the share of the machine's cores the run kept busy in the window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_trl.py beside this file, run as a script
+
+from peer_trl import make_model, run_mrl, say  # noqa: E402
+
+from megatron_rl.metrics.logger import is_step_record, read_metrics  # noqa: E402
+
+ROLES = (
+    ("megatron_rl.trainer.loop", "trainer_ranks"),
+    ("ray::VLLMEngine", "engine"),
+    ("ray::RolloutBuffer", "buffer"),
+    ("ray::RunControl", "run_control"),
+)
+"""(Text its command line holds or starts with, role) of each process the run starts; anything else is `other`."""
+GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+"""Thread names of gloo's transport loops and of its process groups' work threads."""
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def role_of(pid: int, cmdline: str, me: int) -> str:
+    """The role of process `pid` from its command line (`me`: this process, the driver)."""
+    if pid == me:
+        return "driver"
+    return next((role for text, role in ROLES if text in cmdline), "other")
+
+
+def thread_kind(pid: int, tid: int, name: str) -> str:
+    """`main`, `gloo` or `other` for thread `tid` (named `name`) of process `pid`."""
+    if tid == pid:
+        return "main"
+    return "gloo" if name.startswith(GLOO_THREADS) else "other"
+
+
+def _stat(path: str) -> tuple[str, int, float] | None:
+    """(name, parent pid, CPU seconds) from a /proc stat file; None once the process or thread is gone."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return text[text.index("(") + 1 : text.rindex(")")], int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live process under `root` (and `root` itself), with its command line."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(f"/proc/{entry}/stat")) is not None:
+            parents[int(entry)] = stat[1]
+    found, frontier = {root}, [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier and pid not in found]
+        found.update(children)
+        frontier = children
+    out = {}
+    for pid in found:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return out
+
+
+def snapshot(me: int) -> dict:
+    """CPU seconds per role and per trainer thread kind, of the processes under `me` now."""
+    roles: dict[str, float] = {}
+    threads: dict[str, float] = {}
+    for pid, cmdline in descendants(me).items():
+        role = role_of(pid, cmdline, me)
+        if role != "trainer_ranks":
+            stat = _stat(f"/proc/{pid}/stat")
+            roles[role] = roles.get(role, 0.0) + (stat[2] if stat else 0.0)
+            continue
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            stat = _stat(f"/proc/{pid}/task/{tid}/stat")
+            if stat is not None:
+                kind = thread_kind(pid, int(tid), stat[0])
+                threads[kind] = threads.get(kind, 0.0) + stat[2]
+                roles[role] = roles.get(role, 0.0) + stat[2]
+    return {"roles": roles, "threads": threads}
+
+
+def per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
+    """Milliseconds per step of each key, from two snapshots' CPU seconds (a process that ended counts 0)."""
+    spent = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {k: round(1000 * spent[k] / steps, 1) for k in sorted(spent, key=spent.get, reverse=True)}
+
+
+def logged_steps(metrics: Path) -> int:
+    """The last step logged in a run's metrics.jsonl so far (0 before it exists)."""
+    try:
+        return max((r["step"] for r in read_metrics(metrics) if is_step_record(r)), default=0)
+    except OSError:
+        return 0
+
+
+class Window(threading.Thread):
+    """Waits for step `start` in `metrics`, then takes a snapshot at the start and the end of `seconds`."""
+
+    def __init__(self, metrics: Path, start: int, seconds: float):
+        super().__init__(daemon=True)
+        self.metrics, self.start_step, self.seconds = metrics, start, seconds
+        self.result: dict | None = None
+
+    def run(self) -> None:
+        """Sample the window (sets `result`)."""
+        me = os.getpid()
+        while logged_steps(self.metrics) < self.start_step:
+            time.sleep(0.25)
+        t0, s0, a = time.monotonic(), logged_steps(self.metrics), snapshot(me)
+        time.sleep(self.seconds)
+        t1, s1, b = time.monotonic(), logged_steps(self.metrics), snapshot(me)
+        self.result = {"seconds": t1 - t0, "steps": s1 - s0, "before": a, "after": b, "ended_at": s1}
+
+
+def summary(window: dict, cores: int) -> dict:
+    """The printed figures from a window's snapshots."""
+    steps, a, b = window["steps"], window["before"], window["after"]
+    roles = per_step(a["roles"], b["roles"], steps)
+    total = sum(b["roles"].values()) - sum(a["roles"].values())
+    return {
+        "steps": steps,
+        "window_s": round(window["seconds"], 2),
+        "steps_per_s": round(steps / window["seconds"], 3),
+        "cpu_ms_per_step": roles,
+        "trainer_threads_ms_per_step": per_step(a["threads"], b["threads"], steps),
+        "total_ms_per_step": round(1000 * total / steps, 1),
+        "cores_busy": round(total / (window["seconds"] * cores), 3),
+    }
+
+
+def main() -> None:
+    """Run the quickstart's loop, sample one window and print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300, help="steps of the run (the window must end before)")
+    parser.add_argument("--from-step", type=int, default=60, help="the window starts once this step is logged")
+    parser.add_argument("--window-s", type=float, default=20.0)
+    parser.add_argument("--override", action="append", default=[], help="a config override k=v for the run")
+    parser.add_argument("--work-dir", default="", help="keep the run here (default: a temporary folder)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="loop_cpu_") as tmp:
+        root = Path(args.work_dir or tmp)
+        model = make_model(root, 0)
+        window = Window(root / "mrl-seed0" / "metrics.jsonl", args.from_step, args.window_s)
+        window.start()
+        run_mrl(model, 0, args.steps, root, args.override)
+        window.join(timeout=1.0)
+    result = window.result
+    if result is None or result["steps"] < 1 or result["ended_at"] >= args.steps:
+        raise SystemExit(f"the window did not fit in the run's {args.steps} steps: raise --steps")
+    out = summary(result, os.cpu_count() or 1)
+    say(f"{out['steps']} steps in {out['window_s']} s: {out['total_ms_per_step']} CPU-ms a step")
+    print(json.dumps({"model": "tiny qwen3_moe, 4 layers", "overrides": args.override} | out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
