@@ -140,3 +140,11 @@ def test_loop_cpu_bench_splits_a_steps_cpu_by_process_and_trainer_thread():
     assert sum(threads.values()) == pytest.approx(roles["trainer_ranks"], abs=1.0)
     assert threads["main"] > 0 and threads["gloo"] > 0  # the ranks' own work and gloo's threads, apart
     assert 0 < result["cores_busy"] <= 1.05
+
+
+def test_gloo_calls_bench_times_each_collective_on_two_ranks():
+    result = run_bench("gloo_calls.py", "--calls", "50")
+    names = ["all_to_all_single_256KB", "all_to_all_single_16B", "all_reduce_1", "all_reduce_2_float64",
+             "all_reduce_8", "broadcast_16B", "all_gather_into_tensor_16B", "barrier", "all_gather_object"]  # fmt: skip
+    assert result["ranks"] == 2 and sorted(k for k in result if k not in ("ranks", "calls")) == sorted(names)
+    assert all(result[n]["cpu_ms"] > 0 and result[n]["wall_ms"] > 0 for n in names)
