@@ -436,7 +436,10 @@ def _to_numpy(value):
         return tuple(_to_numpy(v) for v in value)
     if isinstance(value, Tensor):
         value = value.detach().cpu()
-        return value if value.dtype == torch.bfloat16 else value.numpy()
+        try:
+            return value.numpy()
+        except TypeError:  # a dtype numpy lacks (bfloat16, float8): it travels as a tensor
+            return value
     return value
 
 
