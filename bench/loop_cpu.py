@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peer_trl.py beside this file, run as a script
+from peer_trl import make_model, run_mrl, say  # beside this file; it keeps a local Ray on loopback
 
-from peer_trl import make_model, run_mrl, say  # noqa: E402
-
-from megatron_rl.metrics.logger import is_step_record, read_metrics  # noqa: E402
+from megatron_rl.metrics.logger import is_step_record, read_metrics
 
 ROLES = (
     ("megatron_rl.trainer.loop", "trainer_ranks"),
