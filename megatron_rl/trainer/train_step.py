@@ -421,9 +421,10 @@ STATS_FIELDS = (
 
 
 def stats_view(batch: TrainBatch) -> TrainBatch:
-    """`batch` on the CPU with only `STATS_FIELDS` (the rest None): the routes, kept sets and teacher tensors of a
-    share would cost the stats owner memory and time that grow with the global batch, and the stats read none."""
-    return TrainBatch(**{f: getattr(batch, f) for f in STATS_FIELDS}).to("cpu")
+    """`batch` with only `STATS_FIELDS` (the rest None): the routes, kept sets and teacher tensors of a share would
+    cost the stats owner memory and time that grow with the global batch, and the stats read none. (`_to_numpy`
+    moves what is sent to the CPU.)"""
+    return TrainBatch(**{f: getattr(batch, f) for f in STATS_FIELDS})
 
 
 def _to_numpy(value):

@@ -199,11 +199,12 @@ def applied_vllm_patches() -> list[str]:
 
 def apply_vllm_patches() -> list[str]:
     """Apply the vLLM patches once, in an engine this project started (`VLLM_PATCHES_ENV`) on a CPU host; return
-    the names applied in this process. vLLM calls it in each of its processes (general plugin)."""
-
-    if os.environ.get(VLLM_PATCHES_ENV) == "1":
-        quiet_per_update_logs()  # on every device: GPU engines write the same lines
-    if _VLLM_APPLIED or os.environ.get(VLLM_PATCHES_ENV) != "1" or torch.cuda.is_available():
+    the names applied in this process. vLLM calls it in each of its processes (general plugin). The log filter
+    (`quiet_per_update_logs`) goes on in those engines on every device: GPU engines write the same lines."""
+    if os.environ.get(VLLM_PATCHES_ENV) != "1":
+        return applied_vllm_patches()
+    quiet_per_update_logs()
+    if _VLLM_APPLIED or torch.cuda.is_available():
         return applied_vllm_patches()
     for patch in (_patch_vllm_queue_waits_sleep, _patch_cpu_moe_expert_map, _patch_cpu_communicator_gatherv):
         patch()
