@@ -55,9 +55,7 @@ class MetricsLogger:
         _flatten("", metrics, flat)
         scalars = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+            self._tb.write(step, scalars)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
         if not kind:
@@ -81,12 +79,34 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _tensorboard(folder: Path):
+def _tensorboard(folder: Path) -> TensorBoardWriter | None:
     try:
-        from torch.utils.tensorboard import SummaryWriter  # optional: only when tensorboard is installed
+        return TensorBoardWriter(folder)
     except ImportError:  # tensorboard is optional
         return None
-    return SummaryWriter(str(folder))
+
+
+class TensorBoardWriter:
+    """TensorBoard's event file in `folder`, one event per step holding all the step's scalars: a writer call per
+    scalar (`SummaryWriter.add_scalar`) costs an event, a queue hand-off and a pure-Python checksum each."""
+
+    def __init__(self, folder: Path):
+        # tensorboard is optional: imported only when a logger is made
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        self._writer = EventFileWriter(str(folder))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        """Record `scalars` (tag -> value) at `step` and flush."""
+        values = [self._summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
 
 
 def _wandb(project: str, run_dir: Path, config: dict | None):

@@ -263,6 +263,8 @@ class VLLMEngine:
             detokenize=False,
             # A continuation after an abort draws a fresh stream: reusing the seed would repeat the first tokens.
             seed=None if req.seed is None else req.seed + 7919 * continuation,
+            # Made for this one request: vLLM may take it as it is instead of deep-copying it per request.
+            skip_clone=True,
         )
 
     def _mark_busy(self, delta: int) -> None:

@@ -11,20 +11,28 @@ from __future__ import annotations
 import time
 
 import ray
+import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.devices import compute_device
 from megatron_rl.weights.sync import SyncError, engine_handles
+
+ROSTER_POLL_S = 1.0
+"""How often rank 0 reads the roster between batches: a restarted engine waits up to this long for its weights (the
+supervisor routes prompts to it only then), and a step need not pay a Ray call for it."""
 
 
 class RecoveringSync:
     """A `TrainerWeightSync` that follows the engine roster published on the run-control actor."""
 
-    def __init__(self, sync, control, timeout_s: float):
+    def __init__(self, sync, control, timeout_s: float, poll_s: float = ROSTER_POLL_S):
         self.sync = sync
         self.control = control  # rank 0 only
         self.timeout_s = timeout_s
+        self.poll_s = poll_s
         self.epoch = 0
         self.resyncs = 0
+        self._read_at = -float("inf")
 
     @property
     def is_coordinator(self) -> bool:
@@ -32,7 +40,12 @@ class RecoveringSync:
         return self.sync.is_coordinator
 
     def roster_changed(self) -> dict | None:
-        """(Rank 0) the new roster when an engine was restarted since the last sync and none is down now."""
+        """(Rank 0) the new roster when an engine was restarted since the last sync and none is down now; None
+        without asking within `poll_s` of the last read."""
+        now = time.monotonic()
+        if now - self._read_at < self.poll_s:
+            return None
+        self._read_at = now
         roster = ray.get(self.control.roster.remote(), timeout=60)
         if roster["epoch"] != self.epoch and not roster["down"]:
             return roster
@@ -53,11 +66,14 @@ class RecoveringSync:
             report = self.sync.push(version)
         except SyncError as err:
             error, report = err, {}
+        # A one-number all-reduce on every push; the messages travel only when a rank failed.
+        failures = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=compute_device())
+        dist.all_reduce(failures)
+        if not int(failures.item()):
+            return report
         errors: list = [None] * dist.get_world_size()
         dist.all_gather_object(errors, None if error is None else str(error))
         failed = [e for e in errors if e]
-        if not failed:
-            return report
         roster = [self._await_restart(failed[0])] if self.is_coordinator else [None]
         dist.broadcast_object_list(roster, src=0)
         return self.resync(roster[0], version) | {"recovered_from": failed[0]}

@@ -165,3 +165,16 @@ def test_a_segment_without_native_routes_fails_naming_the_engine():
             await engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=1))
 
     asyncio.run(scenario())
+
+
+def test_each_requests_sampling_params_are_its_own_so_vllm_skips_the_deep_copy():
+    """vLLM deep-copies a request's SamplingParams unless told it is the request's own: ours are made per request
+    (a continuation makes new ones), so vLLM's clone of them must be shallow and carry the request's seed."""
+    pytest.importorskip("vllm")
+    engine = VLLMEngine(EngineSpec(name="e0", model_path="unused"))
+    req = GenerationRequest(prompt_ids=[1, 2], max_tokens=8, stop_token_ids=[2], seed=11)
+    first, again = engine._sampling_params(req, 8), engine._sampling_params(req, 5, continuation=1)
+    assert first is not again and first.stop_token_ids is not again.stop_token_ids
+    clone = first.clone()
+    assert clone is not first and clone.stop_token_ids is first.stop_token_ids  # shallow: no deep copy
+    assert (clone.seed, again.seed, again.max_tokens) == (11, 11 + 7919, 5)
