@@ -89,14 +89,15 @@ def decode_kept_sets(entry: dict) -> np.ndarray:
 
 def kept_set_row(logprobs: Mapping[int, float], asked: int) -> np.ndarray:
     """One position's kept set `[asked - 1]` int32 from the engine's top-`asked` processed logprobs there
-    (token id -> logprob, -inf outside the kept set; the sampled token may be one more entry).
+    (token id -> logprob, a float or, as in vLLM's entries, an object with `.logprob`; -inf outside the kept set;
+    the sampled token may be one more entry).
 
     The set is the tokens with a finite logprob. When `asked` or more are finite, the set may hold more than
     the engine reported (ties at the top-k threshold keep them all), so the row is all `KEPT_PAD`: unknown.
     """
     if asked < 2:
         raise ValueError(f"a kept set needs at least 2 logprobs asked per position (top_k + 1), got {asked}")
-    kept = sorted(token for token, value in logprobs.items() if math.isfinite(value))
+    kept = sorted(token for token, value in logprobs.items() if math.isfinite(getattr(value, "logprob", value)))
     row = np.full(asked - 1, KEPT_PAD, dtype=np.int32)
     if 0 < len(kept) < asked:
         row[: len(kept)] = kept

@@ -108,10 +108,19 @@ def _vllm() -> types.SimpleNamespace:
 
     from megatron_rl.rollout.vllm_inproc import AsyncLLM, in_process_async_llm  # imports vLLM: as above
 
+    try:  # vLLM takes its rendered token input in the event loop, without a renderer pass in a worker thread
+        from vllm.inputs.engine import tokens_input as token_prompt  # as above
+    except ImportError:  # a vLLM from before rendered inputs
+        token_prompt = _raw_token_prompt
     return types.SimpleNamespace(
         AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=SamplingParams,
-        RequestOutputKind=RequestOutputKind, in_process_async_llm=in_process_async_llm,
+        RequestOutputKind=RequestOutputKind, in_process_async_llm=in_process_async_llm, token_prompt=token_prompt,
     )  # fmt: skip
+
+
+def _raw_token_prompt(ids: list[int]) -> dict:
+    """A token-id prompt as vLLM's `generate` takes it from any caller (its renderer checks it per request)."""
+    return {"prompt_token_ids": ids}
 
 
 def _engine_env(spec: EngineSpec) -> None:
@@ -169,6 +178,7 @@ class VLLMEngine:
         self._bursts = BurstGate(BURST_WAIT_S)
         self._eager_mode: bool | None = None  # set by `start`
         self._core_in_process: bool | None = None  # set by `start`
+        self._token_prompt = _raw_token_prompt  # `start` takes vLLM's own
 
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
@@ -179,6 +189,7 @@ class VLLMEngine:
         try:  # a refused setting is a start error too: `ready` callers get it instead of waiting out a timeout
             args = dataclasses.replace(self._engine_args(vllm), **self._lora.engine_args())
             self._core_in_process = self._in_process()
+            self._token_prompt = vllm.token_prompt
             start = vllm.in_process_async_llm if self._core_in_process else vllm.AsyncLLM.from_engine_args
             self._llm = start(args)
         except BaseException as err:
@@ -312,7 +323,7 @@ class VLLMEngine:
             while len(tokens) < req.max_tokens:
                 await self._wait_resumed()
                 sub_id = f"{req.request_id}-{continuations}"
-                prompt = {"prompt_token_ids": list(req.prompt_ids) + tokens}
+                prompt = self._token_prompt(list(req.prompt_ids) + tokens)
                 params = self._sampling_params(req, req.max_tokens - len(tokens), continuations)
                 finish = None
                 self._running.add(sub_id)
@@ -323,7 +334,7 @@ class VLLMEngine:
                         tokens += new
                         logprobs += [_sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
                         if req.return_kept_sets:
-                            kept += [_kept_row(lp, req.top_k + 1) for lp in completion.logprobs or []]
+                            kept += [kept_set_row(lp or {}, req.top_k + 1) for lp in completion.logprobs or []]
                         versions += [self.version] * len(new)
                         finish = completion.finish_reason
                         if getattr(completion, "routed_experts", None) is not None:
@@ -408,7 +419,7 @@ class VLLMEngine:
             """The logprobs of one sequence (and its top-k rows)."""
             final = None
             lora = self._lora.request_kwargs()
-            async for out in llm.generate({"prompt_token_ids": list(seq)}, params, uuid.uuid4().hex, **lora):
+            async for out in llm.generate(self._token_prompt(list(seq)), params, uuid.uuid4().hex, **lora):
                 final = out
             entries = final.prompt_logprobs[1:]
             given = [_sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
@@ -552,13 +563,12 @@ class VLLMEngine:
 
 
 async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
-    """`AsyncLLM.pause_generation` without the 20 ms sleep it ends with: returns once vLLM's scheduler has paused.
+    """`AsyncLLM.pause_generation` without the sleep it ends with: returns once vLLM's scheduler has paused.
 
     vLLM 0.32 sleeps there only so that in-flight requests' last outputs are handed out first ("not required for
-    correctness", its comment says); a weight update waited on it while the trainer's first broadcast stood
-    still, 20 ms of a 0.3 s update on CPU. Requests cut by an update are continued after `resume` whatever the
-    order of their outputs. Falls back to `pause_generation` where vLLM lacks the scheduler call.
-    """
+    correctness", its comment says), while the trainer's first broadcast waits; requests cut by an update are
+    continued after `resume` whatever the order of their outputs. Falls back to `pause_generation` where vLLM
+    lacks the scheduler call."""
     core = getattr(llm, "engine_core", None)
     if not hasattr(core, "pause_scheduler_async"):
         await llm.pause_generation(mode=mode, clear_cache=clear_cache)
@@ -573,12 +583,6 @@ def _on_gpu() -> bool:
     import torch  # the engine actor has torch through vLLM already; this module is imported without it
 
     return torch.cuda.is_available()
-
-
-def _kept_row(entry, asked: int):
-    """One position's kept set from its vLLM logprobs entry (dict token -> Logprob), `models/routes.kept_set_row`."""
-    values = {} if entry is None else {t: float(v.logprob if hasattr(v, "logprob") else v) for t, v in entry.items()}
-    return kept_set_row(values, asked)
 
 
 def _encoded_kept(rows: list, req: GenerationRequest, tokens: int, engine: str) -> dict:

@@ -167,10 +167,12 @@ def test_a_segment_without_native_routes_fails_naming_the_engine():
     asyncio.run(scenario())
 
 
-def test_each_requests_sampling_params_are_its_own_so_vllm_skips_the_deep_copy():
+def test_requests_reach_vllm_rendered_with_their_own_sampling_params():
     """vLLM deep-copies a request's SamplingParams unless told it is the request's own: ours are made per request
-    (a continuation makes new ones), so vLLM's clone of them must be shallow and carry the request's seed."""
+    (a continuation makes new ones), so vLLM's clone of them must be shallow and carry the request's seed. The
+    prompt is vLLM's rendered token input (typed), which it takes without its renderer's pass."""
     pytest.importorskip("vllm")
+    assert engine_module._vllm().token_prompt([5, 6]) == {"type": "token", "prompt_token_ids": [5, 6]}
     engine = VLLMEngine(EngineSpec(name="e0", model_path="unused"))
     req = GenerationRequest(prompt_ids=[1, 2], max_tokens=8, stop_token_ids=[2], seed=11)
     first, again = engine._sampling_params(req, 8), engine._sampling_params(req, 5, continuation=1)
