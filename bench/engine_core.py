@@ -4,8 +4,8 @@
     .venv/bin/python bench/engine_core.py [--rounds 20] [--layers 4]
 
 Each mode runs in a child process of its own, set up as a CPU engine of ours (one OpenMP thread, threads left
-unbound, eager, fp32, processed logprobs, one seeded request per sample with a delta per token, as
-`rollout/engine.py` asks): 8 count-task prompts x 8 samples x 8 new tokens per round, 3 warm-up rounds, then
+unbound, eager, fp32, processed logprobs, one seeded request per sample with a delta per token, handed over as
+`rollout/engine.py` hands them): 8 count-task prompts x 8 samples x 8 new tokens per round, 3 warm-up rounds, then
 `--rounds` timed ones. Printed (one JSON object): per mode the seconds per round and the CPU seconds per round of
 the child and every process it started (the engine core's, in vLLM's way), and the ratios in-process / own.
 """
@@ -42,10 +42,10 @@ def tree_cpu_seconds() -> float:
     return total
 
 
-async def child(hf: str, in_process: bool, rounds: int) -> dict:
-    """(Child) time `rounds` rounds of the quickstart's generation on one AsyncLLM."""
-    from vllm import AsyncEngineArgs, SamplingParams  # the child only: vLLM sets its process's threads
-    from vllm.sampling_params import RequestOutputKind  # as above
+def start_llm(hf: str, in_process: bool):
+    """(Child) an AsyncLLM set up as our CPU engines set theirs up, and the quickstart's prompts of one round (each
+    prompt once per sample)."""
+    from vllm import AsyncEngineArgs  # the child only: vLLM sets its process's threads
 
     from megatron_rl.rollout.vllm_inproc import AsyncLLM, in_process_async_llm  # imports vLLM: as above
 
@@ -54,19 +54,46 @@ async def child(hf: str, in_process: bool, rounds: int) -> dict:
                            enable_prefix_caching=False)  # fmt: skip
     llm = in_process_async_llm(args) if in_process else AsyncLLM.from_engine_args(args)
     stream = CountTask(load_tokenizer(Path(hf))).prompts()
-    prompts = [r["prompt_ids"] for r, _ in zip(stream, range(PROMPTS)) for _ in range(SAMPLES)]
+    return llm, [r["prompt_ids"] for r, _ in zip(stream, range(PROMPTS)) for _ in range(SAMPLES)]
+
+
+def child_env() -> dict:
+    """The environment of a benchmark child: one OpenMP thread, threads unbound, vLLM's logs on stderr."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # fmt: skip
+
+
+def round_runner(llm, prompts: list[list[int]], rendered: bool = True, own_params: bool = True):
+    """(Child) an async function generating one round on `llm` and returning its token count: one seeded request
+    per sample, a delta per token, each request's SamplingParams its own (`own_params`: vLLM takes them without a
+    deep copy) and its prompt vLLM's rendered token input (`rendered`), as `rollout/engine.py` hands them over."""
+    from vllm import SamplingParams  # the child only: vLLM sets its process's threads
+    from vllm.inputs.engine import tokens_input  # as above
+    from vllm.sampling_params import RequestOutputKind  # as above
+
     calls = iter(range(10**9))
 
     async def one(seed: int, ids: list[int]) -> int:
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, logprobs=0, detokenize=False,
-                                ignore_eos=True, seed=seed, output_kind=RequestOutputKind.DELTA)  # fmt: skip
+                                ignore_eos=True, seed=seed, output_kind=RequestOutputKind.DELTA,
+                                skip_clone=own_params)  # fmt: skip
         tokens = 0
-        async for out in llm.generate({"prompt_token_ids": ids}, params, f"r{next(calls)}"):
+        prompt = tokens_input(list(ids)) if rendered else {"prompt_token_ids": list(ids)}
+        async for out in llm.generate(prompt, params, f"r{next(calls)}"):
             tokens += len(out.outputs[0].token_ids)
         return tokens
 
     async def round_() -> int:
         return sum(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
+
+    return round_
+
+
+async def child(hf: str, in_process: bool, rounds: int) -> dict:
+    """(Child) time `rounds` rounds of the quickstart's generation on one AsyncLLM."""
+    llm, prompts = start_llm(hf, in_process)
+    round_ = round_runner(llm, prompts)
 
     for _ in range(WARMUP):
         await round_()
@@ -80,9 +107,7 @@ async def child(hf: str, in_process: bool, rounds: int) -> dict:
 
 def run_child(hf: Path, in_process: bool, rounds: int) -> dict:
     """One mode in a fresh child process; its report."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # fmt: skip
+    env = child_env()
     mode = "--child-in-process" if in_process else "--child-own-process"
     cmd = [sys.executable, __file__, mode, str(hf), "--rounds", str(rounds)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=900).stdout

@@ -148,3 +148,22 @@ def test_gloo_calls_bench_times_each_collective_on_two_ranks():
              "all_reduce_8", "broadcast_16B", "all_gather_into_tensor_16B", "barrier", "all_gather_object"]  # fmt: skip
     assert result["ranks"] == 2 and sorted(k for k in result if k not in ("ranks", "calls")) == sorted(names)
     assert all(result[n]["cpu_ms"] > 0 and result[n]["wall_ms"] > 0 for n in names)
+
+
+@pytest.mark.slow
+def test_engine_requests_bench_times_each_way_of_handing_requests_to_vllm():
+    result = run_bench("engine_requests.py", "--rounds", "3")
+    cpu, ratios = result["cpu_ms_per_round"], result["ratio_to_vllm_defaults"]
+    assert sorted(cpu) == sorted(ratios) == ["ours", "own_params", "vllm_defaults"]
+    assert all(ms > 0 for ms in cpu.values()) and ratios["vllm_defaults"] == 1.0
+    assert ratios["ours"] == pytest.approx(cpu["ours"] / cpu["vllm_defaults"], abs=2e-3)
+
+
+@pytest.mark.slow
+def test_engine_core_bench_times_both_placements_of_the_engine_core():
+    result = run_bench("engine_core.py", "--rounds", "2")
+    for mode in ("own_process", "in_process"):
+        assert result[mode]["s"] > 0 and result[mode]["cpu_s"] > 0
+    assert result["cpu_ratio_in_over_own"] == pytest.approx(
+        result["in_process"]["cpu_s"] / result["own_process"]["cpu_s"], abs=2e-3
+    )
