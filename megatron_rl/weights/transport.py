@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import UserError
+from megatron_rl.parallel.patches.torch_distributed import gloo_devices
 
 _PREFIX = "mrl-weights"
 
@@ -168,14 +169,7 @@ class WeightGroup:
         least gloo's default 2) to keep them all busy.
         """
         opts = dist.ProcessGroupGloo._Options()
-        interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
-        opts._devices = [
-            dist.ProcessGroupGloo.create_device(interface=name)
-            if name
-            else dist.ProcessGroupGloo.create_default_device()
-            for _ in range(self.spec.streams)
-            for name in interfaces or [""]
-        ]
+        opts._devices = gloo_devices(self.spec.streams)
         opts._threads = max(2, len(opts._devices))
         opts._timeout = self.timeout
         return opts

@@ -98,3 +98,41 @@ def test_byte_records_load_as_plain_data_only():
     crafted.seek(0)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         planner.load_bytes(item, crafted)
+
+
+GLOO_PROBE = r"""
+import json, os, sys, datetime, torch, torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+if sys.argv[1] == "patched":
+    from megatron_rl.parallel.patches import apply_torch_patches
+    apply_torch_patches()
+store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+groups = [dist.new_group([0]) for _ in range(5)]
+sums = []
+for i, group in enumerate([None, *groups]):
+    t = torch.tensor([float(i)])
+    dist.all_reduce(t, group=group)
+    sums.append(t.item())
+own = dist.ProcessGroupGloo._Options()
+own._devices = [dist.ProcessGroupGloo.create_default_device()]
+weight_like = dist.ProcessGroupGloo(dist.PrefixStore("own", store), 0, 1, own)  # as the weight groups make theirs
+loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir("/proc/self/task"))
+print(json.dumps({"sums": sums, "loop_threads": loops, "torch_class": c10d.ProcessGroupGloo is dist.ProcessGroupGloo,
+                  "own_is_gloo": isinstance(weight_like, c10d.ProcessGroupGloo)}))
+dist.destroy_process_group()
+"""
+
+
+def _gloo_probe(mode: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", GLOO_PROBE, mode], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_gloo_groups_torch_makes_share_one_device_and_explicit_ones_keep_theirs():
+    patched, plain = _gloo_probe("patched"), _gloo_probe("plain")
+    assert patched["sums"] == plain["sums"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert plain["loop_threads"] == 7  # a device (and its loop thread) per group: 6, and the explicit one
+    assert patched["loop_threads"] == 2  # the six groups' shared device, and the explicit group's own
+    assert patched["torch_class"] and patched["own_is_gloo"]  # torch's class is its own again after each group

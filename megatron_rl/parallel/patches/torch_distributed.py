@@ -1,5 +1,5 @@
-"""torch.distributed's patches: distributed checkpoints that run no code from their files, and TCPStore servers that
-listen on the address they are given.
+"""torch.distributed's patches: distributed checkpoints that run no code from their files, TCPStore servers that
+listen on the address they are given, and gloo process groups that share one device per process.
 
 Applied by `apply_torch_patches()` (idempotent, every device; `apply_patches()` calls it, and so does every
 checkpoint load and the torchrun agent, `parallel/torchrun.py`). Checked on torch 2.13.0 with megatron-core 0.16.1.
@@ -9,6 +9,7 @@ Each imports what it patches when it is applied (see the package docstring).
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import socket
 
@@ -158,7 +159,62 @@ def _patch_tcp_store_bind_host() -> None:
         module.TCPStore = tcp_store
 
 
-_TORCH_PATCHES = (_patch_dcp_metadata_allow_list, _patch_dcp_bytes_weights_only, _patch_tcp_store_bind_host)
+def gloo_devices(copies: int = 1) -> list:
+    """Gloo devices found as torch finds the one it gives each group: one per interface in GLOO_SOCKET_IFNAME if
+    set, else one by this host's name; `copies` of each (each device is a TCP connection per peer and a loop
+    thread)."""
+    import torch.distributed as dist  # at call time (see the module docstring)
+
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    return [
+        dist.ProcessGroupGloo.create_device(interface=name) if name else dist.ProcessGroupGloo.create_default_device()
+        for _ in range(copies)
+        for name in interfaces or [""]
+    ]
+
+
+def _patch_gloo_shared_device() -> None:
+    """Failure (a cost): every gloo group torch makes (`init_process_group`, `new_group`) gets a gloo device of its
+    own, whose TCP loop thread wakes every 10 ms even when idle, and two worker threads. Megatron-Core makes about
+    20 groups per rank: a trainer rank ran 66 threads, its main thread was preempted about 100 times a train step,
+    and on 2 cores the quickstart's train step took 12-15% more CPU than with one device per process (docs/
+    benchmarks.md). Fix: the groups torch makes share the process's devices (gloo multiplexes their connections
+    on them; each group keeps its own connections and worker threads); a group made with explicit options (the
+    weight groups' streams) keeps its own. torch 2.13.0."""
+    from torch.distributed import distributed_c10d as c10d  # at apply time (see the module docstring)
+
+    original_class, original_helper = c10d.ProcessGroupGloo, c10d._new_process_group_helper
+    shared: list = []
+
+    class SharedDeviceGloo(original_class):
+        """torch's ProcessGroupGloo on the process's shared devices, as torch would make it otherwise."""
+
+        def __init__(self, store, rank, size, timeout=None):
+            if not shared:
+                shared.extend(gloo_devices())
+            options = original_class._Options()
+            options._devices = list(shared)
+            options._threads = 2 * len(shared)  # torch's default: two per device
+            if timeout is not None:
+                options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    def new_process_group_helper(*args, **kwargs):
+        # Only while torch makes a group: everywhere else `ProcessGroupGloo` stays torch's own class.
+        c10d.ProcessGroupGloo = SharedDeviceGloo
+        try:
+            return original_helper(*args, **kwargs)
+        finally:
+            c10d.ProcessGroupGloo = original_class
+
+    new_process_group_helper.original = original_helper  # for tests
+    c10d._new_process_group_helper = new_process_group_helper
+
+
+_TORCH_PATCHES = (
+    _patch_dcp_metadata_allow_list, _patch_dcp_bytes_weights_only, _patch_tcp_store_bind_host,
+    _patch_gloo_shared_device,
+)  # fmt: skip
 
 
 def apply_torch_patches() -> list[str]:
