@@ -12,7 +12,8 @@ Printed (one JSON object on stdout; progress on stderr): `steps` in the window a
 `cpu_ms_per_step` by role: `trainer_ranks`, `engine` (the vLLM engine actors), `driver` (this process: the
 launcher and the generation driver), `buffer`, `run_control`, `other` (Ray's own processes, the torchrun agent);
 `trainer_threads_ms_per_step` (the ranks' main threads, gloo's transport and work threads, the rest);
-`total_ms_per_step` and `cores_busy` (the share of the machine's cores the run kept busy in the window).
+`total_ms_per_step` and `cores_busy` (the share of the machine's cores the run kept busy in the window);
+`context_switches_per_step` by role (voluntary and not, over every thread) and `threads` per role at the end.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ ROLES = (
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
 """Thread names of gloo's transport loops and of its process groups' work threads."""
 TICK = os.sysconf("SC_CLK_TCK")
+SWITCH_KEYS = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")
+"""The lines of a thread's /proc status that count its context switches."""
 
 
 def role_of(pid: int, cmdline: str, me: int) -> str:
@@ -85,12 +88,34 @@ def descendants(root: int) -> dict[int, str]:
     return out
 
 
+def _switches(pid: int) -> tuple[int, int]:
+    """(context switches so far, summed over the threads of process `pid`; its live threads)."""
+    total, threads = 0, 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0, 0
+    for tid in tids:
+        try:
+            lines = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        threads += 1
+        total += sum(int(line.split()[1]) for line in lines if line.startswith(SWITCH_KEYS))
+    return total, threads
+
+
 def snapshot(me: int) -> dict:
-    """CPU seconds per role and per trainer thread kind, of the processes under `me` now."""
+    """CPU seconds per role and per trainer thread kind, and context switches and threads per role, of the
+    processes under `me` now."""
     roles: dict[str, float] = {}
     threads: dict[str, float] = {}
+    switches: dict[str, int] = {}
+    counts: dict[str, int] = {}
     for pid, cmdline in descendants(me).items():
         role = role_of(pid, cmdline, me)
+        done, alive = _switches(pid)
+        switches[role], counts[role] = switches.get(role, 0) + done, counts.get(role, 0) + alive
         if role != "trainer_ranks":
             stat = _stat(f"/proc/{pid}/stat")
             roles[role] = roles.get(role, 0.0) + (stat[2] if stat else 0.0)
@@ -101,7 +126,7 @@ def snapshot(me: int) -> dict:
                 kind = thread_kind(pid, int(tid), stat[0])
                 threads[kind] = threads.get(kind, 0.0) + stat[2]
                 roles[role] = roles.get(role, 0.0) + stat[2]
-    return {"roles": roles, "threads": threads}
+    return {"roles": roles, "threads": threads, "switches": switches, "thread_counts": counts}
 
 
 def per_step(before: dict, after: dict, steps: int) -> dict[str, float]:
@@ -149,6 +174,10 @@ def summary(window: dict, cores: int) -> dict:
         "cpu_ms_per_step": roles,
         "trainer_threads_ms_per_step": per_step(a["threads"], b["threads"], steps),
         "total_ms_per_step": round(1000 * total / steps, 1),
+        "context_switches_per_step": {
+            role: round((n - a["switches"].get(role, 0)) / steps) for role, n in sorted(b["switches"].items())
+        },
+        "threads": dict(sorted(b["thread_counts"].items())),
         "cores_busy": round(total / (window["seconds"] * cores), 3),
     }
 

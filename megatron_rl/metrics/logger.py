@@ -91,9 +91,8 @@ class TensorBoardWriter:
     scalar (`SummaryWriter.add_scalar`) costs an event, a queue hand-off and a pure-Python checksum each."""
 
     def __init__(self, folder: Path):
-        # tensorboard is optional: imported only when a logger is made
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.compat.proto import event_pb2, summary_pb2  # optional: only when tensorboard is installed
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter  # as above
 
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._writer = EventFileWriter(str(folder))

@@ -106,15 +106,12 @@ def _vllm() -> types.SimpleNamespace:
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.sampling_params import RequestOutputKind  # in the actor only, as above
 
-    from megatron_rl.rollout.vllm_inproc import AsyncLLM, in_process_async_llm  # imports vLLM: as above
+    from megatron_rl.rollout.vllm_inproc import AsyncLLM, in_process_async_llm, tokens_input  # vLLM: as above
 
-    try:  # vLLM takes its rendered token input in the event loop, without a renderer pass in a worker thread
-        from vllm.inputs.engine import tokens_input as token_prompt  # as above
-    except ImportError:  # a vLLM from before rendered inputs
-        token_prompt = _raw_token_prompt
     return types.SimpleNamespace(
         AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=SamplingParams,
-        RequestOutputKind=RequestOutputKind, in_process_async_llm=in_process_async_llm, token_prompt=token_prompt,
+        RequestOutputKind=RequestOutputKind, in_process_async_llm=in_process_async_llm,
+        token_prompt=tokens_input or _raw_token_prompt,
     )  # fmt: skip
 
 

@@ -24,6 +24,11 @@ from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.request import RequestStatus
 
+try:  # vLLM takes its rendered token input in the event loop, without a renderer pass in a worker thread
+    from vllm.inputs.engine import tokens_input
+except ImportError:  # a vLLM from before rendered inputs: the engine hands it raw prompts
+    tokens_input = None
+
 from megatron_rl.parallel.patches import async_llm_client
 from megatron_rl.rollout.burst import until_quiet
 

@@ -140,6 +140,9 @@ def test_loop_cpu_bench_splits_a_steps_cpu_by_process_and_trainer_thread():
     assert sum(threads.values()) == pytest.approx(roles["trainer_ranks"], abs=1.0)
     assert threads["main"] > 0 and threads["gloo"] > 0  # the ranks' own work and gloo's threads, apart
     assert 0 < result["cores_busy"] <= 1.05
+    switches, threads = result["context_switches_per_step"], result["threads"]
+    assert switches["trainer_ranks"] > 0 and switches["engine"] > 0
+    assert threads["trainer_ranks"] >= 4 and threads["engine"] >= 2  # two ranks with gloo's threads; vLLM's
 
 
 def test_gloo_calls_bench_times_each_collective_on_two_ranks():

@@ -14,6 +14,7 @@ import pickle
 import socket
 
 import torch
+import torch.distributed as dist  # `import torch` has loaded it already
 
 _TORCH_APPLIED: list[str] = []
 
@@ -138,8 +139,7 @@ def _patch_tcp_store_bind_host() -> None:
     error stays a `DistNetworkError`, so the c10d backend still falls back to being a client when another agent
     hosts the store. Replaced where torch looks the name up: `torch.distributed` (the dynamic rendezvous), and the
     c10d, static and `env://` rendezvous modules, which import it by name. torch 2.13.0."""
-    import torch.distributed as dist  # at apply time (see the module docstring)
-    from torch.distributed import rendezvous as env_rendezvous  # at apply time
+    from torch.distributed import rendezvous as env_rendezvous  # at apply time (see the module docstring)
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous  # at apply time
 
     original = dist.TCPStore
@@ -163,8 +163,6 @@ def gloo_devices(copies: int = 1) -> list:
     """Gloo devices found as torch finds the one it gives each group: one per interface in GLOO_SOCKET_IFNAME if
     set, else one by this host's name; `copies` of each (each device is a TCP connection per peer and a loop
     thread)."""
-    import torch.distributed as dist  # at call time (see the module docstring)
-
     interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     return [
         dist.ProcessGroupGloo.create_device(interface=name) if name else dist.ProcessGroupGloo.create_default_device()
@@ -181,8 +179,7 @@ def _patch_gloo_shared_device() -> None:
     benchmarks.md). Fix: the groups torch makes share the process's devices (gloo multiplexes their connections
     on them; each group keeps its own connections and worker threads); a group made with explicit options (the
     weight groups' streams) keeps its own. torch 2.13.0."""
-    from torch.distributed import distributed_c10d as c10d  # at apply time (see the module docstring)
-
+    c10d = dist.distributed_c10d
     original_class, original_helper = c10d.ProcessGroupGloo, c10d._new_process_group_helper
     shared: list = []
 
