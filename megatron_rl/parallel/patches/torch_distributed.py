@@ -174,11 +174,11 @@ def gloo_devices(copies: int = 1) -> list:
 def _patch_gloo_shared_device() -> None:
     """Failure (a cost): every gloo group torch makes (`init_process_group`, `new_group`) gets a gloo device of its
     own, whose TCP loop thread wakes every 10 ms even when idle, and two worker threads. Megatron-Core makes about
-    20 groups per rank: a trainer rank ran 66 threads, its main thread was preempted about 100 times a train step,
-    and on 2 cores the quickstart's train step took 12-15% more CPU than with one device per process (docs/
-    benchmarks.md). Fix: the groups torch makes share the process's devices (gloo multiplexes their connections
-    on them; each group keeps its own connections and worker threads); a group made with explicit options (the
-    weight groups' streams) keeps its own. torch 2.13.0."""
+    20 groups per rank: a trainer rank ran 66 threads and its main thread was preempted about 100 times in a
+    quickstart train step on 2 cores (about 30 with one device per process; what that costs: docs/benchmarks.md).
+    Fix: the groups torch makes share the process's devices (gloo multiplexes their connections on them; each
+    group keeps its own connections and worker threads); a group made with explicit options (the weight groups'
+    streams) keeps its own. torch 2.13.0."""
     c10d = dist.distributed_c10d
     original_class, original_helper = c10d.ProcessGroupGloo, c10d._new_process_group_helper
     shared: list = []
