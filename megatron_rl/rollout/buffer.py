@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import ray
 
+from megatron_rl.rollout.burst import portable_error
 from megatron_rl.rollout.lookahead import Lookahead
 from megatron_rl.rollout.ray_utils import on_this_node
 from megatron_rl.rollout.tasks import PromptStream
@@ -288,6 +289,17 @@ class RolloutBuffer:
                 self._arrivals += 1
             self._cond.notify_all()
             return problem is None
+
+    def put_groups(self, groups: list[Group]) -> list:
+        """`put_group` for each of a driver burst's groups (one actor call, `rollout/burst.py`): per group True or
+        False, or the RolloutBufferError that refused it (the others are put all the same)."""
+        outcomes = []
+        for group in groups:
+            try:
+                outcomes.append(self.put_group(group))
+            except RolloutBufferError as err:
+                outcomes.append(portable_error(err))
+        return outcomes
 
     def requeue(self, prompt_index: int, reason: str = "") -> bool:
         """Give an in-flight prompt back (its engine died): it is generated again and still counted once.

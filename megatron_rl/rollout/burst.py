@@ -1,32 +1,37 @@
-"""The engine side of a driver claim: hold the group calls of one claim until all of them have arrived, so that
-their requests reach vLLM together.
+"""A driver claim's bursts: the groups one claim dealt to one engine travel as one engine call and one buffer call.
 
-One driver claim deals a step's prompts out to the engines' workers, and each worker makes its own actor call.
-The calls reach an engine a few milliseconds apart, and an idle vLLM starts a step with the first request it
-gets: the others join in later steps, each stage of the batch then runs on a part of it, and the engine takes
-more (and emptier) steps for the same tokens. A burst is the calls one claim dealt to one engine; its calls wait
-here for each other, at most `wait_s`, and then go on together.
+One driver claim deals a step's prompts out to the engines' workers, each worker serving one prompt's group. Were
+each to make its own actor calls, an engine would get its groups a few milliseconds apart, and an idle vLLM
+starts a step with the first request it gets: the others would join in later steps, each stage of the batch then
+running on a part of it, with more (and emptier) steps for the same tokens. And every Ray actor call costs CPU
+in the caller, the callee and Ray's own processes (2.3 CPU-ms for one call of a group's requests against 11 for
+eight concurrent ones, docs/benchmarks.md), which a small machine takes from generation and training.
 
-Going on together takes the released calls a few event-loop iterations each (the wake-ups of their waits), while
-the call that completed the burst goes on at once: an engine core stepped in the actor's own event loop
-(`rollout/vllm_inproc.py`) would start with that call's requests alone. `until_quiet` is how it waits for the
-rest first.
+So the workers of a burst hand their calls to a `CallBatcher`: it waits until every member has come (at most
+`wait_s` after the first), makes one call for all of them and gives each member its own share of the answer.
+
+The engine then gets all of a burst's requests in one call, but its coroutines still add them to vLLM a few
+event-loop iterations apart: an engine core stepped in the actor's own event loop (`rollout/vllm_inproc.py`)
+would start with the first ones alone. `until_quiet` is how it waits for the rest first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+import dataclasses
+import pickle
+from collections.abc import Awaitable, Callable, Hashable
 
 CLOSED_KEPT = 256
-"""How many released bursts are remembered, so that a call arriving after its burst was let go passes at once."""
-
-
+"""How many flushed bursts are remembered, so that a member arriving after its burst went is sent at once."""
 QUIET_ROUNDS = 2
 """Event-loop iterations in a row that add no request before `until_quiet` returns."""
 MAX_ROUNDS = 16
 """Most iterations `until_quiet` yields for, whatever arrives."""
+
+Call = Callable[[list], Awaitable[list]]
+"""One call for a burst's items, answering one outcome per item, in order."""
 
 
 async def until_quiet(count: Callable[[], int], quiet: int = QUIET_ROUNDS, limit: int = MAX_ROUNDS) -> int:
@@ -41,38 +46,124 @@ async def until_quiet(count: Callable[[], int], quiet: int = QUIET_ROUNDS, limit
     return rounds
 
 
-class BurstGate:
-    """Per engine: the bursts whose calls are still arriving (asyncio; one event loop)."""
+def portable_error(err: Exception) -> Exception:
+    """`err` as one item's outcome in a burst call's answer: itself where it pickles back as itself (Ray sends the
+    answer pickled), else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err
+
+
+async def generate_groups(groups: list[list], generate: Callable[[object], Awaitable], timeout_s: float) -> list:
+    """`generate(request)` for every request of a burst's groups, all at once: per group the list of its results
+    within `timeout_s`, or the error that failed it (`TimeoutError` when late: its requests are cancelled), as
+    `portable_error` makes it. One group's failure is not the others'."""
+
+    async def one(requests: list) -> list:
+        return list(await asyncio.wait_for(asyncio.gather(*(generate(r) for r in requests)), timeout_s))
+
+    outcomes = await asyncio.gather(*(one(requests) for requests in groups), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome  # a cancel of the call itself, not a failed group
+    return [portable_error(o) if isinstance(o, Exception) else o for o in outcomes]
+
+
+@dataclasses.dataclass
+class _Burst:
+    size: int
+    call: Call | None  # None while only withdrawn members have come
+    timer: asyncio.TimerHandle
+    come: int = 0
+    items: list = dataclasses.field(default_factory=list)
+    futures: list = dataclasses.field(default_factory=list)
+
+
+class CallBatcher:
+    """The members of each burst (asyncio, one event loop) calling as one; see the module docstring."""
 
     def __init__(self, wait_s: float):
         self.wait_s = wait_s
-        """The longest a call waits for the rest of its burst (from its own arrival)."""
-        self._open: dict[int, list] = {}  # burst id -> [calls arrived, asyncio.Event set on release]
-        self._closed: collections.OrderedDict[int, None] = collections.OrderedDict()
+        """The longest a burst waits for its missing members, from its first member's arrival."""
+        self._open: dict[Hashable, _Burst] = {}
+        self._closed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self._running: set[asyncio.Task] = set()
 
     def pending(self) -> int:
-        """Bursts with calls waiting for the rest of theirs."""
+        """Bursts still waiting for members."""
         return len(self._open)
 
-    async def arrive(self, burst: int, size: int) -> None:
-        """Return once all `size` calls of `burst` have arrived, or `wait_s` after this one did (the burst is then
-        let go: a lost or late call does not hold the others twice)."""
-        if burst in self._closed or size <= 1:
-            return
-        entry = self._open.setdefault(burst, [0, asyncio.Event()])
-        entry[0] += 1
-        if entry[0] >= size:
-            self._release(burst)
-            return
-        try:
-            await asyncio.wait_for(entry[1].wait(), self.wait_s)
-        except asyncio.TimeoutError:
-            self._release(burst)
+    async def submit(self, key: Hashable, size: int, item, call: Call):
+        """Member `item` of burst `key` (of `size` members): its outcome of `call(items)`, made once every member has
+        come or withdrawn, or `wait_s` after the first came (a late member is then sent alone). The call of the
+        burst's first member is the one made; an error it raises is raised in every member."""
+        if size <= 1 or key in self._closed:
+            return (await call([item]))[0]
+        burst = self._open.get(key)
+        if burst is None:
+            timer = asyncio.get_running_loop().call_later(self.wait_s, self._flush, key)
+            burst = self._open[key] = _Burst(size, call, timer)
+        burst.call = burst.call or call
+        future = asyncio.get_running_loop().create_future()
+        burst.items.append(item)
+        burst.futures.append(future)
+        self._arrive(key, burst)
+        return await future
 
-    def _release(self, burst: int) -> None:
-        entry = self._open.pop(burst, None)
-        if entry is not None:
-            entry[1].set()
-        self._closed[burst] = None
+    def withdraw(self, key: Hashable, size: int) -> None:
+        """A member of burst `key` that has nothing to send (its group failed): the burst goes without it."""
+        if size <= 1 or key in self._closed:
+            return
+        burst = self._open.get(key)
+        if burst is None:  # the first to come: the others still wait for their time
+            timer = asyncio.get_running_loop().call_later(self.wait_s, self._flush, key)
+            burst = self._open[key] = _Burst(size, None, timer)
+        self._arrive(key, burst)
+
+    def cancel(self) -> None:
+        """Drop waiting bursts and cancel the calls under way (the driver stops): their members' waits end."""
+        for key in list(self._open):
+            burst = self._open.pop(key)
+            burst.timer.cancel()
+            for future in burst.futures:
+                future.cancel()
+        for task in list(self._running):
+            task.cancel()
+
+    def _arrive(self, key: Hashable, burst: _Burst) -> None:
+        burst.come += 1
+        if burst.come >= burst.size:
+            self._flush(key)
+
+    def _flush(self, key: Hashable) -> None:
+        burst = self._open.pop(key, None)
+        self._closed[key] = None
         while len(self._closed) > CLOSED_KEPT:
             self._closed.popitem(last=False)
+        if burst is None:
+            return
+        burst.timer.cancel()
+        if burst.items:
+            task = asyncio.ensure_future(self._send(burst))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _send(self, burst: _Burst) -> None:
+        try:
+            outcomes = await burst.call(burst.items)
+            if len(outcomes) != len(burst.items):
+                raise RuntimeError(f"a burst call answered {len(outcomes)} outcomes for {len(burst.items)} items")
+        except asyncio.CancelledError:
+            for future in burst.futures:
+                future.cancel()
+            raise
+        except Exception as err:  # every member gets the call's error: each deals with its own item
+            for future in burst.futures:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        for future, outcome in zip(burst.futures, outcomes):
+            if not future.done():  # a member cancelled meanwhile (the driver stops)
+                future.set_result(outcome)

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import time
 
 import ray
 
 from megatron_rl.errors import UserError
+from megatron_rl.rollout.burst import CallBatcher
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.rewards import RewardRunner
@@ -32,6 +34,7 @@ MODE_LAG = {"sync": 0, "one_step_off": 1}
 SEED_STRIDE = 1 << 12  # samples per prompt that get distinct seeds; far above any group size in use
 GATE_POLL_S = 0.05  # how often a worker waiting for an engine to recover asks it again
 GATE_WAIT_S = 0.2  # longest a claim waits in the buffer for the gate to open (a stop is seen that soon)
+BURST_WAIT_S = 0.05  # longest a burst's calls wait for its missing members (rollout/burst.py)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,8 @@ class GenerationDriver:
         """Engine -> prompts claimed for its workers, not taken by one yet: (index, record, burst)."""
         self._bursts = 0
         """Bursts dealt so far (one per engine per claim; `rollout/burst.py`)."""
+        self._calls = CallBatcher(BURST_WAIT_S)
+        """A burst's engine call and buffer call, made once for all its groups."""
         self._busy = collections.Counter()
         """Engine -> its workers holding a prompt (from taking it until its group is delivered or given back)."""
         self.failure: BaseException | None = None
@@ -134,6 +139,7 @@ class GenerationDriver:
             # One worker's error (or a cancel) ends them all: a leftover worker would score on a closed reward pool.
             for worker in workers:
                 worker.cancel()
+            self._calls.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             self._rewards.shutdown()
         return self.stats
@@ -226,10 +232,13 @@ class GenerationDriver:
                 self._busy[engine] -= 1
 
     async def _serve(self, engine: str, index: int, record: dict, burst: tuple | None = None) -> None:
-        """Generate, score and deliver the group of prompt `index`; a failing engine or teacher gives it back."""
+        """Generate, score and deliver the group of prompt `index`; a failing engine or teacher gives it back.
+        `burst` (id, size): the claim's share of this engine it came in; its groups travel together."""
+        bid, size = burst if burst is not None else (None, 1)
         try:
-            results = await self._generate(engine, index, record, burst)
+            results = await self._generate(engine, index, record, (("generate", engine, bid), size))
         except Exception as err:  # a dead or failing engine: the prompt goes back, counted once
+            self._calls.withdraw(("put", bid), size)
             self.stats.engine_failures += 1
             why = error_line(err)
             if is_actor_death(err):
@@ -241,13 +250,21 @@ class GenerationDriver:
         try:
             group = await self._score(index, record, results)
         except TeacherError as err:  # the teacher failed (its scorer restarts a dead one): the prompt goes back
+            self._calls.withdraw(("put", bid), size)
             self.stats.teacher_failures += 1
             await self._requeue(index, "teacher", str(err))
             return
-        accepted = await self._call_buffer("put_group", group)  # first: a dropped group is accounted for
+        # First: a dropped group is accounted for.
+        accepted = await self._calls.submit(("put", bid), size, group, self._put_groups)
+        if isinstance(accepted, Exception):
+            raise accepted
         self.stats.groups += int(accepted)
         self.stats.dropped_by_buffer += int(not accepted)
         self._check_rewards(group)
+
+    async def _put_groups(self, groups: list[Group]) -> list:
+        """A burst's groups into the buffer in one call: per group accepted or not, or the buffer's refusal."""
+        return await self._call_buffer("put_groups", groups)
 
     async def _requeue(self, index: int, who: str, why: str) -> None:
         """Give prompt `index` back to the buffer after `who` failed on it (the buffer counts and limits requeues)."""
@@ -289,7 +306,8 @@ class GenerationDriver:
                 f"last: prompt {group.prompt_index}: {errors[-1]}"
             )
 
-    async def _generate(self, engine: str, index: int, record: dict, burst: tuple | None = None) -> list:
+    async def _generate(self, engine: str, index: int, record: dict, burst: tuple) -> list:
+        """The results of prompt `index`'s group on `engine`, sent in burst `burst` (batcher key, size)."""
         rollout = self.cfg.rollout
         eos = getattr(self.tokenizer, "eos_token_id", None)
         requests = [
@@ -305,10 +323,11 @@ class GenerationDriver:
             )
             for sample in range(rollout.samples_per_prompt)
         ]
-        # One actor call for the group: on a small machine Ray's per-call cost is CPU that generation needs.
-        pending = self.engines[engine].generate_group.remote(requests, burst)
+        key, size = burst
         try:
-            results = await asyncio.wait_for(pending, rollout.request_timeout_s)
+            results = await self._calls.submit(key, size, requests, functools.partial(self._generate_burst, engine))
+            if isinstance(results, Exception):  # this group failed in the engine; the burst's others may not have
+                raise results
         except asyncio.TimeoutError:
             raise GenerationError(
                 f"engine {engine}: prompt {index} not generated within rollout.request_timeout_s="
@@ -316,6 +335,13 @@ class GenerationDriver:
             ) from None
         self.stats.generated_tokens += sum(len(r.token_ids) for r in results)
         return list(results)
+
+    async def _generate_burst(self, engine: str, groups: list[list[GenerationRequest]]) -> list:
+        """One engine call for a burst's groups (one per prompt; on a small machine Ray's per-call cost is CPU
+        that generation needs), within `rollout.request_timeout_s`: per group its results or its error."""
+        timeout_s = self.cfg.rollout.request_timeout_s  # each group's, in the engine; here the actor's answer too
+        pending = self.engines[engine].generate_groups.remote(groups, timeout_s)
+        return await asyncio.wait_for(pending, timeout_s + CALL_TIMEOUT_S)
 
     async def score(self, texts: list[str], record: dict) -> list[float]:
         """The rewards of decoded responses to one prompt record, in the driver's reward threads with its time

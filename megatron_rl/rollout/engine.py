@@ -23,7 +23,7 @@ import numpy as np
 from megatron_rl.errors import UserError
 from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_routes, kept_set_row, teacher_top_row
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
-from megatron_rl.rollout.burst import BurstGate
+from megatron_rl.rollout.burst import generate_groups
 from megatron_rl.rollout.engine_lora import EngineLora
 from megatron_rl.rollout.engine_mode import core_in_process, eager_mode
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
@@ -37,8 +37,6 @@ from megatron_rl.weights.engine.worker import (
     START_ROUTE_CAPTURE,
 )
 
-BURST_WAIT_S = 0.05
-"""The longest a group call waits for the other calls of its driver claim (`rollout/burst.py`)."""
 RESUME_WAIT_MARGIN_S = 60.0
 """How much longer than the weight update's own timeout a paused request waits for the resume before it fails."""
 
@@ -172,7 +170,6 @@ class VLLMEngine:
         self._native_routes = spec.capture_routes and native
         self._hook_routes = spec.capture_routes and not native
         self._lora = EngineLora(spec.name, spec.model_path, spec.lora_rank)
-        self._bursts = BurstGate(BURST_WAIT_S)
         self._eager_mode: bool | None = None  # set by `start`
         self._core_in_process: bool | None = None  # set by `start`
         self._token_prompt = _raw_token_prompt  # `start` takes vLLM's own
@@ -369,14 +366,10 @@ class VLLMEngine:
             kept_sets=_encoded_kept(kept, req, len(tokens), self.spec.name) if req.return_kept_sets else None,
         )
 
-    async def generate_group(self, reqs: list[GenerationRequest], burst: tuple | None = None) -> list[GenerationResult]:
-        """`generate` for each of `reqs` at once (a prompt's samples): one actor call per group, not per sample.
-
-        With `burst` (id, calls): first wait for the other calls the driver's claim dealt to this engine, so that
-        vLLM batches all their requests from its first step (`rollout/burst.py`)."""
-        if burst is not None:
-            await self._bursts.arrive(*burst)
-        return list(await asyncio.gather(*(self.generate(r) for r in reqs)))
+    async def generate_groups(self, groups: list[list[GenerationRequest]], timeout_s: float) -> list:
+        """`generate` for every request of several prompts' groups (a driver burst) in one actor call, all at once:
+        per group its results, or the error that failed it (`rollout/burst.py` `generate_groups`)."""
+        return await generate_groups(groups, self.generate, timeout_s)
 
     async def _routes(self, segments: list[str], native: dict) -> dict:
         """The stitched, encoded routes of a response's segments (one per continuation): vLLM's own output

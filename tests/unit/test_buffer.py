@@ -14,6 +14,7 @@ import pytest
 
 from megatron_rl.config import BufferConfig, load_config
 from megatron_rl.rollout.buffer import AccountingError, RolloutBuffer, RolloutBufferError
+from megatron_rl.rollout.burst import generate_groups
 from megatron_rl.rollout.driver import GenerationDriver
 from megatron_rl.rollout.engine import GenerationResult
 from megatron_rl.rollout.tasks import PromptStream, Task
@@ -222,6 +223,16 @@ def test_invalid_groups_are_dropped_and_counted():
     assert stats["recent_drops"][0]["prompt_index"] == a
     assert "ZeroDivisionError" in stats["recent_drops"][0]["detail"]
     buffer.check_accounting()
+
+
+def test_a_bursts_groups_go_in_one_call_and_a_refused_one_does_not_lose_the_others():
+    buffer = make_buffer(capacity=8)
+    a, b, c = (i for i, _ in buffer.claim_prompts(3))
+    outcomes = buffer.put_groups([make_group(a), make_group(99), make_group(b, tokens=0), make_group(c)])
+    assert outcomes[0] is True and outcomes[2] is False and outcomes[3] is True
+    assert isinstance(outcomes[1], RolloutBufferError) and "prompt 99 is not in flight" in str(outcomes[1])
+    counts = buffer.check_accounting()
+    assert (counts["buffered"], counts["in_flight"]) == (2, 0) and buffer.stats()["dropped_by_reason"] == {"invalid": 1}
 
 
 def test_errors_name_the_problem():
@@ -519,12 +530,12 @@ class AlternatingEngine:
     def generate(self):
         return types.SimpleNamespace(remote=self._generate)
 
-    async def _generate_group(self, reqs, burst=None):
-        return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
+    async def _generate_groups(self, groups, timeout_s):
+        return await generate_groups(groups, self._generate, timeout_s)  # as VLLMEngine.generate_groups
 
     @property
-    def generate_group(self):
-        return types.SimpleNamespace(remote=self._generate_group)
+    def generate_groups(self):
+        return types.SimpleNamespace(remote=self._generate_groups)
 
 
 class Local:

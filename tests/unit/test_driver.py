@@ -5,7 +5,6 @@ a reward that exits on every call, and scoring for evaluation."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 import re
@@ -19,7 +18,7 @@ import pytest
 from megatron_rl.config import TaskConfig, load_config
 from megatron_rl.rollout import driver as driver_module
 from megatron_rl.rollout.buffer import RolloutBuffer
-from megatron_rl.rollout.burst import BurstGate
+from megatron_rl.rollout.burst import generate_groups
 from megatron_rl.rollout.driver import GenerationDriver, GenerationError, RewardError, error_line
 from megatron_rl.rollout.engine import EngineError, GenerationRequest, GenerationResult
 from megatron_rl.rollout.tasks import PromptStream, Task, make_task
@@ -108,8 +107,7 @@ class StandInEngine:
 
     def __init__(self, errors: dict[int, list[BaseException]] | None = None):
         self.errors = errors or {}
-        self.bursts = BurstGate(0.05)  # the engine's own gate (rollout/burst.py), as VLLMEngine holds one
-        self.burst_calls: list[tuple[int, int] | None] = []
+        self.burst_calls: list[list[int]] = []  # the prompts of each engine call
 
     async def _generate(self, req: GenerationRequest) -> GenerationResult:
         pending = self.errors.get(req.prompt_ids[1])
@@ -117,19 +115,13 @@ class StandInEngine:
             raise pending.pop(0)
         return GenerationResult(req.request_id, req.prompt_ids, [5], [-0.1], [0], "length", "e0")
 
-    @property
-    def generate(self):
-        return types.SimpleNamespace(remote=self._generate)
-
-    async def _generate_group(self, reqs, burst=None):
-        self.burst_calls.append(burst)
-        if burst is not None:
-            await self.bursts.arrive(*burst)
-        return list(await asyncio.gather(*(self._generate(r) for r in reqs)))
+    async def _generate_groups(self, groups, timeout_s):
+        self.burst_calls.append([reqs[0].prompt_ids[1] for reqs in groups])
+        return await generate_groups(groups, self._generate, timeout_s)  # as VLLMEngine.generate_groups
 
     @property
-    def generate_group(self):
-        return types.SimpleNamespace(remote=self._generate_group)
+    def generate_groups(self):
+        return types.SimpleNamespace(remote=self._generate_groups)
 
     async def _health(self) -> dict:
         return {"alive": True, "consistent": True}
@@ -432,9 +424,11 @@ def test_a_steps_prompts_go_out_in_a_claim_or_two_and_a_stop_gives_unstarted_one
 
     asyncio.run(scenario())
     assert calls.claims[0] == [0, 1, 2, 3]  # at the start every worker is free
-    # The first claim's 4 calls are one burst of 4 (the engine holds them until all came); no burst got more calls.
-    assert engine.burst_calls[:4] == [engine.burst_calls[0]] * 4 and engine.burst_calls[0][1] == 4
-    assert all(n <= size for (_, size), n in collections.Counter(engine.burst_calls).items())
+    # The first claim's 4 groups went to the engine in one call; every prompt went out once, in a call per burst.
+    # One engine call per claim (this driver has one engine), with that claim's prompts.
+    assert engine.burst_calls[0] == [0, 1, 2, 3], engine.burst_calls
+    assert [sorted(call) for call in engine.burst_calls] == calls.claims[: len(engine.burst_calls)]
+    assert len(engine.burst_calls) >= len(calls.claims) - 1  # the last claim's may have been cut by the stop
     steps = [[claim for claim in calls.claims if claim[0] // 4 == step] for step in range(4)]
     assert all(sum(steps[step], []) == list(range(4 * step, 4 * step + 4)) for step in range(4))
     assert all(len(claims) <= 2 for claims in steps), calls.claims
