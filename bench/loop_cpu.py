@@ -58,7 +58,7 @@ def thread_kind(pid: int, tid: int, name: str) -> str:
     return "gloo" if name.startswith(GLOO_THREADS) else "other"
 
 
-def _stat(path: str) -> tuple[str, int, float] | None:
+def proc_stat(path: str) -> tuple[str, int, float] | None:
     """(name, parent pid, CPU seconds) from a /proc stat file; None once the process or thread is gone."""
     try:
         text = Path(path).read_text()
@@ -72,7 +72,7 @@ def descendants(root: int) -> dict[int, str]:
     """Every live process under `root` (and `root` itself), with its command line."""
     parents = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _stat(f"/proc/{entry}/stat")) is not None:
+        if entry.isdigit() and (stat := proc_stat(f"/proc/{entry}/stat")) is not None:
             parents[int(entry)] = stat[1]
     found, frontier = {root}, [root]
     while frontier:
@@ -117,11 +117,11 @@ def snapshot(me: int) -> dict:
         done, alive = _switches(pid)
         switches[role], counts[role] = switches.get(role, 0) + done, counts.get(role, 0) + alive
         if role != "trainer_ranks":
-            stat = _stat(f"/proc/{pid}/stat")
+            stat = proc_stat(f"/proc/{pid}/stat")
             roles[role] = roles.get(role, 0.0) + (stat[2] if stat else 0.0)
             continue
         for tid in os.listdir(f"/proc/{pid}/task"):
-            stat = _stat(f"/proc/{pid}/task/{tid}/stat")
+            stat = proc_stat(f"/proc/{pid}/task/{tid}/stat")
             if stat is not None:
                 kind = thread_kind(pid, int(tid), stat[0])
                 threads[kind] = threads.get(kind, 0.0) + stat[2]

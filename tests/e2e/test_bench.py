@@ -170,3 +170,13 @@ def test_engine_core_bench_times_both_placements_of_the_engine_core():
     assert result["cpu_ratio_in_over_own"] == pytest.approx(
         result["in_process"]["cpu_s"] / result["own_process"]["cpu_s"], abs=2e-3
     )
+
+
+@pytest.mark.slow
+def test_ray_calls_bench_times_each_way_of_sending_a_burst():
+    result = run_bench("ray_calls.py", "--rounds", "20")
+    ways = ["one_call_per_group", "one_call_per_burst", "one_call_per_group_sequential"]
+    assert all(result[w]["cpu_ms"] > 0 and result[w]["wall_ms"] > 0 for w in ways)
+    assert result["burst_over_group_cpu"] == pytest.approx(
+        result["one_call_per_burst"]["cpu_ms"] / result["one_call_per_group"]["cpu_ms"], abs=2e-3
+    )
