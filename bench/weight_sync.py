@@ -163,13 +163,16 @@ def main() -> None:
     parser.add_argument("--engine-ep", action="store_true", help="the engine with vLLM's expert parallelism")
     parser.add_argument("--engine-tp", type=int, default=None, help="engine TP size (default 1; 2 with --engine-ep)")
     args = parser.parse_args()
+    heads = args.hidden // 128
+    if args.hidden % 128 or heads < 1:
+        parser.error(f"--hidden {args.hidden}: the benchmark's model takes a multiple of 128 (attention heads of 128)")
     find_bench_modules()
     with tempfile.TemporaryDirectory(prefix="mrl-bench-model-") as tmp:
         hf = make_tiny(
             "qwen3_moe", Path(tmp) / "hf",
-            overrides={"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 128,
-                       "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": args.hidden,
-                       "intermediate_size": 2 * args.hidden, "num_experts": 8},
+            overrides={"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": heads,
+                       "num_key_value_heads": 2 if heads % 2 == 0 else 1, "head_dim": 128,
+                       "moe_intermediate_size": args.hidden, "intermediate_size": 2 * args.hidden, "num_experts": 8},
         )  # fmt: skip
         engine_tp = args.engine_tp or (2 if args.engine_ep else 1)
         result = measure(hf, args.bucket_mb, args.repeats, args.timeout, args.streams, engine_tp, args.engine_ep)
