@@ -4,8 +4,8 @@ One driver claim deals a step's prompts out to the engines' workers, each worker
 each to make its own actor calls, an engine would get its groups a few milliseconds apart, and an idle vLLM
 starts a step with the first request it gets: the others would join in later steps, each stage of the batch then
 running on a part of it, with more (and emptier) steps for the same tokens. And every Ray actor call costs CPU
-in the caller, the callee and Ray's own processes (2.3 CPU-ms for one call of a group's requests against 11 for
-eight concurrent ones, docs/benchmarks.md), which a small machine takes from generation and training.
+in the caller, the callee and Ray's own processes (`bench/ray_calls.py`; docs/benchmarks.md, "One call per
+burst"), which a small machine takes from generation and training.
 
 So the workers of a burst hand their calls to a `CallBatcher`: it waits until every member has come (at most
 `wait_s` after the first), makes one call for all of them and gives each member its own share of the answer.
