@@ -101,10 +101,7 @@ class CallBatcher:
         burst's first member is the one made; an error it raises is raised in every member."""
         if size <= 1 or key in self._closed:
             return (await call([item]))[0]
-        burst = self._open.get(key)
-        if burst is None:
-            timer = asyncio.get_running_loop().call_later(self.wait_s, self._flush, key)
-            burst = self._open[key] = _Burst(size, call, timer)
+        burst = self._burst(key, size)
         burst.call = burst.call or call
         future = asyncio.get_running_loop().create_future()
         burst.items.append(item)
@@ -116,11 +113,7 @@ class CallBatcher:
         """A member of burst `key` that has nothing to send (its group failed): the burst goes without it."""
         if size <= 1 or key in self._closed:
             return
-        burst = self._open.get(key)
-        if burst is None:  # the first to come: the others still wait for their time
-            timer = asyncio.get_running_loop().call_later(self.wait_s, self._flush, key)
-            burst = self._open[key] = _Burst(size, None, timer)
-        self._arrive(key, burst)
+        self._arrive(key, self._burst(key, size))
 
     def cancel(self) -> None:
         """Drop waiting bursts and cancel the calls under way (the driver stops): their members' waits end."""
@@ -131,6 +124,14 @@ class CallBatcher:
                 future.cancel()
         for task in list(self._running):
             task.cancel()
+
+    def _burst(self, key: Hashable, size: int) -> _Burst:
+        """Burst `key`, opened (its wait started) by its first member to come, with or without an item."""
+        burst = self._open.get(key)
+        if burst is None:
+            timer = asyncio.get_running_loop().call_later(self.wait_s, self._flush, key)
+            burst = self._open[key] = _Burst(size, None, timer)
+        return burst
 
     def _arrive(self, key: Hashable, burst: _Burst) -> None:
         burst.come += 1
