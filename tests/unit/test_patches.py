@@ -246,7 +246,10 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
     assert out["busy_loop_s"] == 1  # vLLM's own waiting logic is kept
     if in_our_engine:
         assert out["patches"] == [
-            "vllm_queue_waits_sleep", "cpu_moe_expert_map", "cpu_communicator_gatherv", "small_linears_unpacked"
+            "vllm_queue_waits_sleep",
+            "cpu_moe_expert_map",
+            "cpu_communicator_gatherv",
+            "small_linears_unpacked",
         ]
         assert out["cpu_share"] < 0.15, out  # waiting no longer takes a core
         assert out["last_pause"] == pytest.approx(VLLM_WAIT_POLL_MAX_S), out  # looks got sparse over 0.3 s
