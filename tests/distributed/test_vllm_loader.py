@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_rl.models.tiny import make_tiny
+from megatron_rl.rollout.engine_mode import cpu_attention_backend
 from megatron_rl.weights.engine.worker import DESCRIBE_WEIGHT_LOADER, FINISH_WEIGHT_UPDATE
 from tests.support.weight_extension import EXTENSION, LOAD_FILE, LOAD_NAMED
 
@@ -123,6 +124,7 @@ def engine_main(ckpt: str, out_path: str, update: str | None) -> None:
         max_model_len=256,
         seed=0,
         worker_extension_cls=EXTENSION,
+        attention_backend=cpu_attention_backend(ckpt, "float32", on_gpu=False),  # as our engines: AMX hosts too
     )
     out: dict = {"describe": llm.collective_rpc(DESCRIBE_WEIGHT_LOADER)[0], "before": _logprobs(llm)}
     if update:

@@ -1,9 +1,11 @@
 """vLLM's eager or compiled mode per engine (`rollout.enforce_eager`): compiled with CUDA graphs on GPU by
-default, eager on CPU and wherever the workers capture the routes themselves; the clash named (no vLLM, no Ray)."""
+default, eager on CPU and wherever the workers capture the routes themselves; the clash named; the CPU MLA
+attention backend for fp32 latent-attention models (no vLLM, no Ray)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from megatron_rl.config import load_config
 from megatron_rl.launcher import engine_specs
 from megatron_rl.rollout import engine as engine_module
 from megatron_rl.rollout.engine import EngineError, EngineSpec, VLLMEngine
-from megatron_rl.rollout.engine_mode import core_in_process, eager_mode
+from megatron_rl.rollout.engine_mode import core_in_process, cpu_attention_backend, eager_mode
 from megatron_rl.rollout.teacher import teacher_specs
 from megatron_rl.weights.engine.worker import WeightUpdateExtension
 
@@ -109,3 +111,31 @@ def test_routing_perturbation_is_refused_on_a_compiled_engine():
     worker.model_runner = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False))
     with pytest.raises(RuntimeError, match="needs an eager engine"):
         worker.mrl_perturb_routing(0.5)
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype", "on_gpu", "backend"),
+    [
+        ({"kv_lora_rank": 512}, "float32", False, "CPU_MLA"),  # AMX hosts would pick a bf16-only backend
+        ({"kv_lora_rank": 512}, "torch.float32", False, "CPU_MLA"),
+        ({"kv_lora_rank": 512}, "bfloat16", False, None),  # vLLM's own choice (AMX where the CPU has it)
+        ({"kv_lora_rank": 512}, "auto", False, None),
+        ({"kv_lora_rank": 512}, "float32", True, None),
+        ({"kv_lora_rank": None}, "float32", False, None),  # no latent attention
+        ({"num_attention_heads": 4}, "float32", False, None),
+        (None, "float32", False, None),  # no config.json: vLLM's choice (it names the problem)
+    ],
+)
+def test_cpu_attention_backend(tmp_path, config, dtype, on_gpu, backend):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cpu_attention_backend(tmp_path, dtype, on_gpu) == backend
+
+
+def test_engine_args_ask_for_the_cpu_mla_backend(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_module, "_on_gpu", lambda: False)
+    (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    vllm = types.SimpleNamespace(AsyncEngineArgs=dict)
+    args = VLLMEngine(EngineSpec("e", str(tmp_path), dtype="float32"))._engine_args(vllm)
+    assert args["attention_backend"] == "CPU_MLA"
+    assert VLLMEngine(EngineSpec("e", str(tmp_path)))._engine_args(vllm)["attention_backend"] is None  # bf16
