@@ -302,6 +302,46 @@ def test_cpu_experts_under_expert_parallel_honour_the_expert_map():
     assert out["max_diff"] < 1e-5, out
 
 
+SMALL_LINEAR_PROBE = """
+import json, os, torch
+os.environ["MRL_VLLM_PATCHES"] = "1"
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from megatron_rl.parallel.patches import SMALL_LINEAR_ELEMENTS, apply_vllm_patches
+patches = apply_vllm_patches()
+torch.manual_seed(0)
+x, out = torch.randn(64, 512), {"patches": patches}
+for name, (n, k) in {"small": (256, 128), "limit": (SMALL_LINEAR_ELEMENTS // 128, 128), "large": (512, 512)}.items():
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(n, k) * 0.1, requires_grad=False)
+    reference = torch.nn.functional.linear(x[:, :k], layer.weight)
+    method = UnquantizedLinearMethod()
+    method.process_weights_after_loading(layer)  # what vLLM runs after loading, and our updates after each
+    first = method.apply(layer, x[:, :k])
+    kept = layer.weight.numel() == n * k
+    if kept:  # an update writes the kept weight in place: the layer computes with it, nothing rebuilt
+        layer.weight.data.mul_(2.0)
+    out[name] = {"kept": kept, "torch_linear": layer.cpu_linear is torch.nn.functional.linear,
+                 "diff": (first - reference).abs().max().item(),
+                 "after_update": (method.apply(layer, x[:, :k]) - 2.0 * reference).abs().max().item() if kept else None}
+print(json.dumps(out))
+"""
+
+
+def test_small_fp32_linears_keep_their_weight_and_larger_ones_their_onednn_handle():
+    """In our CPU engines vLLM's linear processing leaves small fp32 linears their weight (computed with torch's
+    linear, so an in-place update needs no rebuild) and packs larger ones as before; both compute the linear."""
+    pytest.importorskip("vllm")
+    result = subprocess.run([sys.executable, "-c", SMALL_LINEAR_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "small_linears_unpacked" in out["patches"]
+    for name in ("small", "limit"):
+        assert out[name]["kept"] and out[name]["torch_linear"], out
+        assert out[name]["diff"] == 0.0 and out[name]["after_update"] < 1e-5, out
+    assert not out["large"]["kept"] and not out["large"]["torch_linear"], out  # vLLM's handle, weight dropped
+    assert out["large"]["diff"] < 1e-4, out
+
+
 ASYNC_CLIENT_PROBE = """
 import inspect, json
 from vllm.v1.engine.async_llm import AsyncLLM
