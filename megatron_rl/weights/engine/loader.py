@@ -167,8 +167,6 @@ class InPlaceWeightLoader:
         if repack is not None:
             repack.learn_routes(stats)
         loaded = self._check_bucket(stats)
-        if self.partial and repack is not None and _loaded_unstaged(stats):
-            repack.unstaged_loaded = True
         processed = time.perf_counter()
         if repack is not None:
             repack.record_fills(stats)
@@ -270,13 +268,6 @@ class InPlaceWeightLoader:
         if self._repack is not None:
             counts = self._repack.describe()
         return {"mode": self.mode, "in_update": self._in_update, **counts}
-
-
-def _loaded_unstaged(stats: LoadStats) -> bool:
-    """(Repack mode) whether the bucket loaded a tensor into no staging parameter: into a layer that kept its
-    weight (vLLM's loaders wrote it in place), which must then be processed again at `finish`."""
-    staged = {name for _, name in stats.fills}
-    return any(copied and name not in staged for name, copied in stats.copied.items())
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:

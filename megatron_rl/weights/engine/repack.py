@@ -222,7 +222,11 @@ class RepackPath:
         self.proven.clear()
 
     def record_fills(self, stats: LoadStats) -> None:
-        """Credit each staging parameter with what this bucket's tensors copied into it."""
+        """Credit each staging parameter with what this bucket's tensors copied into it; in a partial update, note
+        a tensor that vLLM's loaders wrote in place into a layer that kept its weight (`finish` processes those)."""
+        if self.partial and not self.unstaged_loaded:
+            staged = {name for _, name in stats.fills}
+            self.unstaged_loaded = any(n and name not in staged for name, n in stats.copied.items())
         for (param, name), count in stats.fills.items():
             param.filled[name] = count
             layer = self._layer_of[param]
