@@ -95,7 +95,12 @@ class SnapshotTeachers:
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
             self.refresh(box[0], step)
-        return {"distill/teacher_refreshes": self.refreshes, "distill/teacher_weights_version": self.version}
+        return {
+            "distill/teacher_refreshes": self.refreshes,
+            "distill/teacher_weights_version": self.version,
+            # Rank 0's view (it plans): a due refresh deferred while a teacher restarts, or a failed one.
+            "distill/teacher_refresh_owed": float(self._pending),
+        }
 
     def refresh(self, plan: dict, step: int) -> None:
         """(Every rank, collectively) push the current weights to the teachers as version `step` (forming the
