@@ -10,7 +10,8 @@ cores, so a step's CPU seconds, not its wall time, say where it goes; they also 
 
 Printed (one JSON object on stdout; progress on stderr): `steps` in the window and `steps_per_s`;
 `cpu_ms_per_step` by role: `trainer_ranks`, `engine` (the vLLM engine actors), `driver` (this process: the
-launcher and the generation driver), `buffer`, `run_control`, `other` (Ray's own processes, the torchrun agent);
+launcher and the generation driver), `buffer`, `run_control`, `torchrun_agent` (torchrun's agent over the
+ranks), `other` (Ray's own processes);
 `trainer_threads_ms_per_step` (the ranks' main threads, gloo's transport and work threads, the rest);
 `total_ms_per_step` and `cores_busy` (the share of the machine's cores the run kept busy in the window);
 `context_switches_per_step` by role (voluntary and not, over every thread) and `threads` per role at the end.
@@ -31,6 +32,7 @@ from peer_trl import make_model, run_mrl, say  # beside this file; it keeps a lo
 from megatron_rl.metrics.logger import is_step_record, read_metrics
 
 ROLES = (
+    ("megatron_rl.parallel.torchrun", "torchrun_agent"),  # its command line names the ranks' module too
     ("megatron_rl.trainer.loop", "trainer_ranks"),
     ("ray::VLLMEngine", "engine"),
     ("ray::RolloutBuffer", "buffer"),
