@@ -111,10 +111,10 @@ def test_the_cpu_demo_distils_the_rl_quickstart_into_a_fresh_student(tmp_path, l
 def test_self_distillation_mixed_with_the_reward_survives_a_killed_teacher(tmp_path):
     """The RL quickstart plus a snapshot teacher refreshed every 3 steps (kl_coef 0.5 beside the task reward),
     async with staleness up to 2; teacher-0 is killed (ray.kill) once step 6 is logged. The restart brings a
-    refresh forward, so the teacher's weight version is at least the last multiple of 3, unless that refresh was due
-    while the teacher was still coming back (then the step's record says it is owed, and it is made later). After each refresh that
-    ended a whole interval, the KL (k3) of the first batch scored wholly by the new teacher is below that of the
-    batch before the refresh; every prompt is counted once."""
+    refresh forward, so the teacher's weight version is at least the last multiple of 3, unless that refresh was
+    due while the teacher was still coming back (then the step's record says it is owed, and it is made later).
+    After each refresh that ended a whole interval, the KL (k3) of the first batch scored wholly by the new teacher
+    is below that of the batch before the refresh; every prompt is counted once."""
     steps, every = 12, 3
     run_dir = tmp_path / "quickstart"
     overrides = [
