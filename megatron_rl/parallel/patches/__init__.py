@@ -28,7 +28,8 @@ from megatron_rl.parallel.patches.vllm_engine import (
 )
 
 __all__ = [
-    "SMALL_LINEAR_ELEMENTS", "VLLM_PATCHES_ENV", "VLLM_WAIT_POLL_MAX_S", "VLLM_WAIT_POLL_S", "VLLM_WAIT_POLL_SHARE", "UnsafeCheckpointError",
+    "SMALL_LINEAR_ELEMENTS", "VLLM_PATCHES_ENV", "VLLM_WAIT_POLL_MAX_S", "VLLM_WAIT_POLL_S", "VLLM_WAIT_POLL_SHARE",
+    "UnsafeCheckpointError",
     "applied_patches", "applied_torch_patches", "applied_vllm_patches", "apply_patches", "apply_torch_patches",
     "apply_vllm_patches", "async_llm_client", "read_metadata_safely", "vllm_poll_pause",
 ]  # fmt: skip
