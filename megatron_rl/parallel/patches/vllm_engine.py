@@ -92,6 +92,8 @@ def _patch_cpu_moe_expert_map() -> None:
     signature = inspect.signature(original)
 
     def apply(self, *args, **kwargs):
+        if not args and kwargs.get("expert_map") is None:  # no expert parallelism: nothing to rewrite, no binding
+            return original(self, **kwargs)
         # vLLM calls it with keywords (`modular_kernel.py`); bind them to the original's names to rewrite three.
         bound = signature.bind(self, *args, **kwargs)
         call = bound.arguments
