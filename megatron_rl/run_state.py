@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rl.errors import UserError
+from megatron_rl.models.base import CheckpointError
 
 LATEST = "latest"
 RUN_STATE = "run_state.json"
@@ -116,7 +117,6 @@ def seal_rest(folder: str | Path) -> None:
 
 def _check_recorded(folder: Path, name: str) -> None:
     """ResumeError when `folder/name` differs from its digest in the folder's `checksums.json` (if recorded)."""
-    from megatron_rl.models.base import CheckpointError  # light, but beside the torch import below
     from megatron_rl.trainer import checkpoint as ckpt  # torch: this module is imported for `megatron-rl --help`
 
     try:

