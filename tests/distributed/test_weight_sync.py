@@ -30,6 +30,7 @@ def test_tp2xep2_into_two_engines_one_with_tp2_three_versions_keep_inflight(tiny
     assert report["versions_per_sync"] == [{"engine-0": v, "engine-1": v} for v in (1, 2, 3)]
     for inflight in report["inflight"]:
         assert inflight["requests"] == 4 and inflight["complete"] == 4, report["inflight"]
+        assert inflight["ordered_versions"] == 4, report["inflight"]  # one version per token, never going back
     assert any(i["spanning_versions"] for i in report["inflight"]), "no request was in flight during a sync"
 
 
@@ -53,6 +54,7 @@ def test_tp2xep2_into_an_expert_parallel_tp2_engine_and_a_tp1_engine_each_expert
     assert [s["engine-0"] > 0 for s in report["received_in_place_per_sync"]] == [False, True, True], report
     for inflight in report["inflight"]:
         assert inflight["requests"] == 4 and inflight["complete"] == 4, report["inflight"]
+        assert inflight["ordered_versions"] == 4, report["inflight"]  # one version per token, never going back
     assert any(i["spanning_versions"] for i in report["inflight"]), "no request was in flight during a sync"
 
 

@@ -4,12 +4,14 @@ requests that wait for the resume go on after a good update and fail, naming the
 from __future__ import annotations
 
 import asyncio
+import collections
 import types
 
 import pytest
 
 from megatron_rl.rollout import engine as engine_module
 from megatron_rl.rollout.engine import EngineError, EngineSpec, GenerationRequest, VLLMEngine
+from megatron_rl.rollout.engine_outputs import output_counter, token_versions
 
 
 class StandInLLM:
@@ -180,3 +182,70 @@ def test_requests_reach_vllm_rendered_with_their_own_sampling_params():
     clone = first.clone()
     assert clone is not first and clone.stop_token_ids is first.stop_token_ids  # shallow: no deep copy
     assert (clone.seed, again.seed, again.max_tokens) == (11, 11 + 7919, 5)
+
+
+class FinalOnlyLLM(StandInLLM):
+    """AsyncLLM asked for one output per request (FINAL_ONLY): its front end counts each running request's tokens
+    (`output_processor`, as vLLM 0.32 keeps them); the request ends when `finish` is set, with `total` tokens."""
+
+    def __init__(self, total: int):
+        super().__init__()
+        self.release.set()
+        self.total, self.so_far, self.finish = total, 0, asyncio.Event()
+        self.started = asyncio.Event()
+        detokenizer = types.SimpleNamespace(num_output_tokens=lambda: self.so_far)
+        self.output_processor = types.SimpleNamespace(
+            request_states={"internal-0": types.SimpleNamespace(detokenizer=detokenizer)},
+            external_req_ids=collections.defaultdict(list),
+        )
+
+    async def generate(self, prompt: dict, params, request_id: str):
+        self.output_processor.external_req_ids[request_id].append("internal-0")
+        self.started.set()
+        await self.finish.wait()
+        tokens = list(range(10, 10 + self.total))
+        completion = types.SimpleNamespace(
+            token_ids=tokens, logprobs=[{t: -0.1} for t in tokens], finish_reason="length"
+        )
+        yield types.SimpleNamespace(outputs=[completion])
+
+
+def test_one_output_per_request_labels_each_token_with_the_update_it_came_after():
+    """With one output at the end, the tokens before each update's count (3, then 5) keep the old version."""
+
+    async def scenario():
+        llm = FinalOnlyLLM(total=8)
+        engine = _engine(llm)
+        engine._count_tokens = output_counter(llm)
+        request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=8)))
+        await llm.started.wait()
+        llm.so_far = 3
+        await engine.update_weights(1, "{}", "keep", timeout_s=5)
+        llm.so_far = 5
+        await engine.update_weights(2, "{}", "keep", timeout_s=5)
+        llm.finish.set()
+        result = await asyncio.wait_for(request, 2)
+        assert result.versions == [0, 0, 0, 1, 1, 2, 2, 2] and len(result.token_ids) == 8
+        assert engine._boundaries == {}  # nothing left behind for the finished request
+
+    asyncio.run(scenario())
+
+
+def test_token_versions_split_a_response_at_each_boundary():
+    assert token_versions(4, 2, []) == [2, 2, 2, 2]
+    assert token_versions(5, 0, [(2, 1)]) == [0, 0, 1, 1, 1]
+    assert token_versions(3, 0, [(0, 1), (3, 2)]) == [1, 1, 1]  # sent before the first, finished before the second
+    assert token_versions(6, 4, [(1, 5), (1, 6), (4, 7)]) == [4, 6, 6, 6, 7, 7]  # two updates with no token between
+    assert token_versions(2, 0, [(9, 1)]) == [0, 0]  # a count past the end (as reported) moves nothing
+
+
+def test_output_counter_reads_vllms_request_states_and_refuses_other_layouts():
+    counter = output_counter(FinalOnlyLLM(total=1))
+    assert counter is not None and counter("never-sent") is None
+    assert output_counter(types.SimpleNamespace()) is None  # a vLLM without that front end: one output per token
+    llm = FinalOnlyLLM(total=1)
+    llm.so_far = 4
+    llm.output_processor.external_req_ids["r-0"].append("internal-0")
+    assert output_counter(llm)("r-0") == 4
+    del llm.output_processor.request_states["internal-0"]  # finished: its output is on its way
+    assert output_counter(llm)("r-0") is None
