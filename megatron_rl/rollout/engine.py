@@ -31,7 +31,7 @@ from megatron_rl.rollout.engine_mode import (
     eager_mode,
     engine_env,
 )
-from megatron_rl.rollout.engine_outputs import OutputCounter, output_counter, sampled_logprob, token_versions
+from megatron_rl.rollout.engine_outputs import has_weight_versions, sampled_logprob, span_versions
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -141,9 +141,7 @@ class VLLMEngine:
         self._resume_wait_s = 300.0 + RESUME_WAIT_MARGIN_S  # set from each update's timeout
         self._aborted_for_update: set[str] = set()
         self._running: set[str] = set()
-        # Per running sub-request: (its tokens so far, the new version) at each update that landed while it ran.
-        self._boundaries: dict[str, list[tuple[int, int]]] = {}
-        self._count_tokens: OutputCounter | None = None  # `start` sets it where vLLM's front end counts tokens
+        self._native_versions = False  # set by `start`: vLLM labels the outputs with our weight versions
         self.stats = {"generated_tokens": 0, "requests": 0, "continuations": 0, "busy_seconds": 0.0}
         self._active = 0
         self._busy_since: float | None = None
@@ -166,8 +164,15 @@ class VLLMEngine:
             self._core_in_process = self._in_process()
             self._token_prompt = vllm.token_prompt
             start = vllm.in_process_async_llm if self._core_in_process else vllm.AsyncLLM.from_engine_args
-            self._llm = start(args)
-            self._count_tokens = output_counter(self._llm)
+            llm = start(args)
+            self._native_versions = has_weight_versions(llm)
+            if self._native_versions:  # labelled before any request can reach it (`engine_outputs.py`)
+                try:
+                    await _labelled(llm, self.version)
+                except BaseException:
+                    llm.shutdown()
+                    raise
+            self._llm = llm
         except BaseException as err:
             self._start_error = f"{type(err).__name__}: {err}"
             raise
@@ -247,8 +252,8 @@ class VLLMEngine:
             logprobs=req.top_k + 1 if req.return_kept_sets else 0,
             stop_token_ids=req.stop_token_ids or None,
             ignore_eos=req.ignore_eos,
-            # One output at the end where the tokens' versions can come from update boundaries (`engine_outputs`).
-            output_kind=vllm.RequestOutputKind.FINAL_ONLY if self._count_tokens else vllm.RequestOutputKind.DELTA,
+            # One output at the end where vLLM labels the tokens with their weight versions (`engine_outputs.py`).
+            output_kind=vllm.RequestOutputKind.FINAL_ONLY if self._native_versions else vllm.RequestOutputKind.DELTA,
             detokenize=False,
             # A continuation after an abort draws a fresh stream: reusing the seed would repeat the first tokens.
             seed=None if req.seed is None else req.seed + 7919 * continuation,
@@ -305,7 +310,7 @@ class VLLMEngine:
                 params = self._sampling_params(req, req.max_tokens - len(tokens), continuations)
                 finish = None
                 self._running.add(sub_id)
-                start_version, start_tokens = self.version, len(tokens)
+                start_tokens, spans = len(tokens), None
                 try:
                     async for out in llm.generate(prompt, params, sub_id, **self._lora.request_kwargs()):
                         completion = out.outputs[0]
@@ -314,17 +319,17 @@ class VLLMEngine:
                         logprobs += [sampled_logprob(lp, t) for lp, t in zip(completion.logprobs or [], new)]
                         if req.return_kept_sets:
                             kept += [kept_set_row(lp or {}, req.top_k + 1) for lp in completion.logprobs or []]
-                        if not self._count_tokens:  # one output per token: each has the version it came with
+                        if not self._native_versions:  # one output per token: each has the version it came with
                             versions += [self.version] * len(new)
+                        spans = getattr(completion, "weight_versions", None)
                         finish = completion.finish_reason
                         if getattr(completion, "routed_experts", None) is not None:
                             native[sub_id] = completion.routed_experts
                 finally:
                     self._running.discard(sub_id)
                     segments.append(sub_id)
-                    boundaries = self._boundaries.pop(sub_id, ())
-                if self._count_tokens:
-                    versions += token_versions(len(tokens) - start_tokens, start_version, boundaries)
+                if self._native_versions:
+                    versions += self._versions_of(sub_id, spans, len(tokens) - start_tokens)
                 self._check_consistent()  # a request frozen ('keep') under a failed update ran on broken weights
                 if sub_id in self._aborted_for_update and finish in (None, "abort"):
                     self._aborted_for_update.discard(sub_id)
@@ -471,12 +476,13 @@ class VLLMEngine:
                 await self._lora.activate(self._llm, version, results, timeout_s)  # lora.sync=vllm: its new adapter
                 if self._native_routes:
                     await self.reset_prefix_cache()
+                if self._native_versions:  # while paused: every token sampled from here on is the new version's
+                    await _labelled(self._llm, version)
             except BaseException as err:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
                 await self._resume_after_failed_update()
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
-            self._note_boundaries(version)
             self.version = version
             self.consistent = True
             self.inconsistency = ""
@@ -489,16 +495,15 @@ class VLLMEngine:
                 **({"lora": self._lora.describe()} if self._lora.enabled else {}),  # the adapter now served
             }
 
-    def _note_boundaries(self, version: int) -> None:
-        """Before the engine's version becomes `version`: note how many tokens each running request has (they came
-        from the old weights; the rest will come from the new ones). A request vLLM already finished has none to
-        note: its whole output is on its way, all of it from the old weights."""
-        if self._count_tokens is None:
-            return
-        for sub_id in self._running:
-            count = self._count_tokens(sub_id)
-            if count is not None:
-                self._boundaries.setdefault(sub_id, []).append((count, version))
+    def _versions_of(self, sub_id: str, spans, count: int) -> list[int]:
+        """Each token's weight version from vLLM's spans for one segment; EngineError when they do not cover it."""
+        versions = span_versions(spans, count)
+        if versions is None:
+            raise EngineError(
+                f"engine {self.spec.name}: vLLM's weight-version spans {spans} do not label the {count} tokens of "
+                f"request {sub_id}"
+            )
+        return versions
 
     async def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: its KV (and routes) came from the old weights. Requests frozen by a 'keep'
@@ -567,6 +572,11 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+
+async def _labelled(llm, version: int) -> None:
+    """Have vLLM label the outputs of every step from now on with weight `version`."""
+    await llm.update_weight_version(str(version))
 
 
 def _on_gpu() -> bool:

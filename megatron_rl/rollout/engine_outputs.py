@@ -1,53 +1,36 @@
 """What the engine reads off vLLM's outputs: each sampled token's logprob, and which weight version produced each
-token of a response when a weight update landed while it was generated.
+token of a response when weight updates landed while it was generated.
 
 The engine asks vLLM for one output per request, at its end (`RequestOutputKind.FINAL_ONLY`), instead of one per
 token: each output costs vLLM's front end a `RequestOutput` and the waiting request a wake-up. The tokens' weight
-versions then come from boundaries: when an update lands, the engine notes how many tokens each running request has
-so far (`OutputCounter`); tokens before that count came from the old weights, the rest from the new ones. A vLLM
-whose front end does not hold those counts gets one output per token instead (`output_counter` returns None), and
-the engine labels each token with the version current when it arrives.
+versions come from vLLM itself: the engine tells vLLM each version it loads (`AsyncLLM.update_weight_version`,
+while generation is paused), vLLM's engine core stamps every step's outputs with it, and the final output carries
+the spans of tokens each version sampled (`CompletionOutput.weight_versions`, vLLM 0.32). A vLLM without that gets
+one output per token instead (`has_weight_versions`), and the engine labels each token with the version current
+when it arrives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-OutputCounter = Callable[[str], "int | None"]
-"""Tokens vLLM's front end holds for a running request (by the engine's request id); None once the request is
-finished (its whole output is then on its way to the caller) or unknown."""
+from collections.abc import Sequence
 
 
-def output_counter(llm) -> OutputCounter | None:
-    """How many tokens vLLM's front end (`AsyncLLM.output_processor`) has taken in for a request, or None when this
-    vLLM keeps its request states some other way (checked on vLLM 0.32: `request_states` by internal id, and
-    `external_req_ids` from the id the caller gave to its internal ones; the detokenizer counts the output tokens
-    even with `detokenize=False`)."""
-    processor = getattr(llm, "output_processor", None)
-    states = getattr(processor, "request_states", None)
-    external = getattr(processor, "external_req_ids", None)
-    if not isinstance(states, dict) or not isinstance(external, dict):
-        return None
-
-    def count(request_id: str) -> int | None:
-        internal = external.get(request_id)  # .get: a defaultdict, which a lookup would grow
-        state = states.get(internal[0]) if internal and len(internal) == 1 else None
-        detokenizer = getattr(state, "detokenizer", None)
-        return None if detokenizer is None else detokenizer.num_output_tokens()
-
-    return count
+def has_weight_versions(llm) -> bool:
+    """Whether this vLLM labels its outputs with the weight versions the engine gives it."""
+    return callable(getattr(llm, "update_weight_version", None))
 
 
-def token_versions(count: int, start: int, boundaries: Sequence[tuple[int, int]]) -> list[int]:
-    """The weight version of each of a response's `count` tokens: `start` (the engine's version when the request
-    was sent) until the first boundary, then each boundary's version from its token count on. `boundaries` are
-    (tokens so far, new version) in the order the updates landed."""
-    versions, position, version = [], 0, start
-    for at, new in boundaries:
-        at = min(max(at, position), count)
-        versions += [version] * (at - position)
-        position, version = at, new
-    return versions + [version] * (count - position)
+def span_versions(spans: Sequence | None, count: int) -> list[int] | None:
+    """The weight version of each of a response's `count` tokens from vLLM's spans (`WeightVersionSpan`: version
+    as the engine gave it, tokens `[start, end)`), or None when the spans do not cover exactly those tokens."""
+    if not count:
+        return []
+    versions: list[int] = []
+    for span in spans or ():
+        if span.start != len(versions) or span.end < span.start or not str(span.version).isdigit():
+            return None  # a gap, an overlap, or tokens vLLM labelled with something other than our version
+        versions += [int(span.version)] * (span.end - span.start)
+    return versions if len(versions) == count else None
 
 
 def sampled_logprob(entry, token_id: int) -> float:

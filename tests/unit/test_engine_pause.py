@@ -4,14 +4,14 @@ requests that wait for the resume go on after a good update and fail, naming the
 from __future__ import annotations
 
 import asyncio
-import collections
+import dataclasses
 import types
 
 import pytest
 
 from megatron_rl.rollout import engine as engine_module
-from megatron_rl.rollout.engine import EngineError, EngineSpec, GenerationRequest, VLLMEngine
-from megatron_rl.rollout.engine_outputs import output_counter, token_versions
+from megatron_rl.rollout.engine import EngineError, EngineSpec, GenerationRequest, VLLMEngine, _labelled
+from megatron_rl.rollout.engine_outputs import has_weight_versions, span_versions
 
 
 class StandInLLM:
@@ -184,39 +184,50 @@ def test_requests_reach_vllm_rendered_with_their_own_sampling_params():
     assert (clone.seed, again.seed, again.max_tokens) == (11, 11 + 7919, 5)
 
 
-class FinalOnlyLLM(StandInLLM):
-    """AsyncLLM asked for one output per request (FINAL_ONLY): its front end counts each running request's tokens
-    (`output_processor`, as vLLM 0.32 keeps them); the request ends when `finish` is set, with `total` tokens."""
+class LabellingLLM(StandInLLM):
+    """AsyncLLM asked for one output per request (FINAL_ONLY) on a vLLM that labels its outputs with the weight
+    versions it is given (`update_weight_version`, vLLM 0.32): the final output carries the spans of tokens each
+    label sampled. The test moves the tokens sampled so far (`so_far`); the request ends with `total` tokens."""
 
     def __init__(self, total: int):
         super().__init__()
         self.release.set()
-        self.total, self.so_far, self.finish = total, 0, asyncio.Event()
-        self.started = asyncio.Event()
-        detokenizer = types.SimpleNamespace(num_output_tokens=lambda: self.so_far)
-        self.output_processor = types.SimpleNamespace(
-            request_states={"internal-0": types.SimpleNamespace(detokenizer=detokenizer)},
-            external_req_ids=collections.defaultdict(list),
-        )
+        self.total, self.so_far = total, 0
+        self.finish, self.started = asyncio.Event(), asyncio.Event()
+        self.labels: list[tuple[str, int]] = []  # (label, tokens sampled before it), as vLLM's spans start
+        self.labelled_while_running: list[bool] = []
+
+    async def update_weight_version(self, version: str) -> None:
+        self.labelled_while_running.append(not self.paused and self.started.is_set())
+        self.labels.append((version, self.so_far))
 
     async def generate(self, prompt: dict, params, request_id: str):
-        self.output_processor.external_req_ids[request_id].append("internal-0")
         self.started.set()
         await self.finish.wait()
         tokens = list(range(10, 10 + self.total))
+        starts = [(v, at) for v, at in self.labels if at < self.total]
+        ends = [at for _, at in starts[1:]] + [self.total]
+        spans = [types.SimpleNamespace(version=v, start=at, end=end) for (v, at), end in zip(starts, ends)]
         completion = types.SimpleNamespace(
-            token_ids=tokens, logprobs=[{t: -0.1} for t in tokens], finish_reason="length"
-        )
+            token_ids=tokens, logprobs=[{t: -0.1} for t in tokens], finish_reason="length", weight_versions=spans
+        )  # fmt: skip
         yield types.SimpleNamespace(outputs=[completion])
 
 
-def test_one_output_per_request_labels_each_token_with_the_update_it_came_after():
-    """With one output at the end, the tokens before each update's count (3, then 5) keep the old version."""
+def _labelling_engine(llm: LabellingLLM) -> VLLMEngine:
+    engine = _engine(llm)
+    engine._native_versions = has_weight_versions(llm)
+    return engine
+
+
+def test_each_token_gets_the_version_vllm_labelled_it_with_set_while_generation_was_paused():
+    """Two updates land while a request runs (after 3 and 5 of its 8 tokens): vLLM's spans give each token its
+    version, and the engine gave vLLM each label with generation paused."""
 
     async def scenario():
-        llm = FinalOnlyLLM(total=8)
-        engine = _engine(llm)
-        engine._count_tokens = output_counter(llm)
+        llm = LabellingLLM(total=8)
+        engine = _labelling_engine(llm)
+        await _labelled(llm, 0)  # as `start` does
         request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=8)))
         await llm.started.wait()
         llm.so_far = 3
@@ -226,26 +237,47 @@ def test_one_output_per_request_labels_each_token_with_the_update_it_came_after(
         llm.finish.set()
         result = await asyncio.wait_for(request, 2)
         assert result.versions == [0, 0, 0, 1, 1, 2, 2, 2] and len(result.token_ids) == 8
-        assert engine._boundaries == {}  # nothing left behind for the finished request
+        assert llm.labelled_while_running == [False, False, False]  # never while generation could go on
 
     asyncio.run(scenario())
 
 
-def test_token_versions_split_a_response_at_each_boundary():
-    assert token_versions(4, 2, []) == [2, 2, 2, 2]
-    assert token_versions(5, 0, [(2, 1)]) == [0, 0, 1, 1, 1]
-    assert token_versions(3, 0, [(0, 1), (3, 2)]) == [1, 1, 1]  # sent before the first, finished before the second
-    assert token_versions(6, 4, [(1, 5), (1, 6), (4, 7)]) == [4, 6, 6, 6, 7, 7]  # two updates with no token between
-    assert token_versions(2, 0, [(9, 1)]) == [0, 0]  # a count past the end (as reported) moves nothing
+def test_tokens_vllm_did_not_label_fail_naming_the_engine_and_request():
+    async def scenario():
+        llm = LabellingLLM(total=4)
+        engine = _labelling_engine(llm)
+        llm.labels = [("0", 0), ("1", 2), ("default", 3)]  # the last token not labelled with one of ours
+        llm.finish.set()
+        with pytest.raises(EngineError, match=r"engine e0: vLLM's weight-version spans .* do not label the 4 tokens"):
+            await engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=4, request_id="q7"))
+
+    asyncio.run(scenario())
 
 
-def test_output_counter_reads_vllms_request_states_and_refuses_other_layouts():
-    counter = output_counter(FinalOnlyLLM(total=1))
-    assert counter is not None and counter("never-sent") is None
-    assert output_counter(types.SimpleNamespace()) is None  # a vLLM without that front end: one output per token
-    llm = FinalOnlyLLM(total=1)
-    llm.so_far = 4
-    llm.output_processor.external_req_ids["r-0"].append("internal-0")
-    assert output_counter(llm)("r-0") == 4
-    del llm.output_processor.request_states["internal-0"]  # finished: its output is on its way
-    assert output_counter(llm)("r-0") is None
+def test_span_versions_expand_vllms_spans_to_one_version_per_token():
+    def span(version, start, end):
+        return types.SimpleNamespace(version=version, start=start, end=end)
+
+    assert span_versions([span("2", 0, 4)], 4) == [2, 2, 2, 2]
+    assert span_versions([span("0", 0, 2), span("1", 2, 5)], 5) == [0, 0, 1, 1, 1]
+    assert span_versions(None, 0) == [] and span_versions([], 0) == []
+    assert span_versions(None, 3) is None  # tokens without labels
+    assert span_versions([span("0", 0, 2)], 3) is None  # spans short of the tokens
+    assert span_versions([span("0", 0, 2), span("1", 3, 4)], 4) is None  # a gap
+    assert span_versions([span("default", 0, 2)], 2) is None  # vLLM's own label, not a version of ours
+    assert has_weight_versions(LabellingLLM(total=1)) and not has_weight_versions(StandInLLM())
+
+
+def test_one_output_per_request_where_vllm_labels_the_versions():
+    """The engine asks for one output per request only where vLLM labels the tokens (else one per token)."""
+    vllm = pytest.importorskip("vllm")
+    engine = VLLMEngine(EngineSpec(name="e0", model_path="unused"))
+    req = GenerationRequest(prompt_ids=[1, 2], max_tokens=8, seed=11)
+    assert engine._sampling_params(req, 8).output_kind == vllm.sampling_params.RequestOutputKind.DELTA
+    engine._native_versions = True
+    assert engine._sampling_params(req, 8).output_kind == vllm.sampling_params.RequestOutputKind.FINAL_ONLY
+    from vllm.outputs import CompletionOutput, WeightVersionSpan  # the names the engine reads, in this vLLM
+
+    assert "weight_versions" in {f.name for f in dataclasses.fields(CompletionOutput)}
+    assert span_versions([WeightVersionSpan("3", 0, 2)], 2) == [3, 3]
+    assert has_weight_versions(vllm.v1.engine.async_llm.AsyncLLM)
