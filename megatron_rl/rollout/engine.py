@@ -160,17 +160,18 @@ class VLLMEngine:
         if self.spec.cpu_affinity:
             os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
         try:  # a refused setting is a start error too: `ready` callers get it instead of waiting out a timeout
-            args = dataclasses.replace(self._engine_args(vllm), **self._lora.engine_args())
             self._core_in_process = self._in_process()
+            args = dataclasses.replace(self._engine_args(vllm), **self._lora.engine_args())
             self._token_prompt = vllm.token_prompt
             start = vllm.in_process_async_llm if self._core_in_process else vllm.AsyncLLM.from_engine_args
             llm = start(args)
             self._native_versions = has_weight_versions(llm)
             if self._native_versions:  # labelled before any request can reach it (`engine_outputs.py`)
                 try:
-                    await _labelled(llm, self.version)
+                    await _labelled(llm, self.version, self.spec.rpc_timeout_s)
                 except BaseException:
-                    llm.shutdown()
+                    with contextlib.suppress(Exception):  # the label's error is the one to report
+                        llm.shutdown()
                     raise
             self._llm = llm
         except BaseException as err:
@@ -212,6 +213,9 @@ class VLLMEngine:
             # vLLM's default gives the raw ones. It also keeps GPU engines off FlashInfer's sampler.
             logprobs_mode="processed_logprobs",
             attention_backend=cpu_attention_backend(self.spec.model_path, self.spec.dtype, _on_gpu()),
+            # An in-process core's pause does not wait for a batch that async scheduling (GPU) still has queued: it
+            # would run after the update, on the new weights under the old version's label. Off on CPU anyway.
+            async_scheduling=False if self._core_in_process else None,
         )
 
     async def ready(self, timeout_s: float = 600.0) -> dict:
@@ -477,7 +481,7 @@ class VLLMEngine:
                 if self._native_routes:
                     await self.reset_prefix_cache()
                 if self._native_versions:  # while paused: every token sampled from here on is the new version's
-                    await _labelled(self._llm, version)
+                    await _labelled(self._llm, version, self.spec.rpc_timeout_s)
             except BaseException as err:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
@@ -574,9 +578,9 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
 
-async def _labelled(llm, version: int) -> None:
-    """Have vLLM label the outputs of every step from now on with weight `version`."""
-    await llm.update_weight_version(str(version))
+async def _labelled(llm, version: int, timeout_s: float) -> None:
+    """Have vLLM label the outputs of every step from now on with weight `version` (TimeoutError past `timeout_s`)."""
+    await asyncio.wait_for(llm.update_weight_version(str(version)), timeout_s)
 
 
 def _on_gpu() -> bool:

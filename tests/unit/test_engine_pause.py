@@ -227,7 +227,7 @@ def test_each_token_gets_the_version_vllm_labelled_it_with_set_while_generation_
     async def scenario():
         llm = LabellingLLM(total=8)
         engine = _labelling_engine(llm)
-        await _labelled(llm, 0)  # as `start` does
+        await _labelled(llm, 0, 5.0)  # as `start` does
         request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=8)))
         await llm.started.wait()
         llm.so_far = 3
@@ -240,6 +240,45 @@ def test_each_token_gets_the_version_vllm_labelled_it_with_set_while_generation_
         assert llm.labelled_while_running == [False, False, False]  # never while generation could go on
 
     asyncio.run(scenario())
+
+
+def test_a_label_vllm_refuses_fails_the_update_and_leaves_the_engine_inconsistent():
+    async def scenario():
+        llm = LabellingLLM(total=1)
+        engine = _labelling_engine(llm)
+
+        async def refuse(version: str) -> None:
+            raise RuntimeError("engine core is dead")
+
+        llm.update_weight_version = refuse
+        with pytest.raises(EngineError, match=r"engine e0: update to version 1 failed: RuntimeError: engine core is"):
+            await engine.update_weights(1, "{}", "keep", timeout_s=5)
+        assert not engine.consistent and engine.version == 0 and not llm.paused  # resumed: waiting requests fail
+
+    asyncio.run(scenario())
+
+
+def test_start_labels_the_weights_it_loaded_before_the_engine_takes_requests(monkeypatch):
+    """`start` gives vLLM version 0 before anything can generate, and asks an in-process core for no async
+    scheduling (whose queued batch a pause would not wait for)."""
+    made: dict = {}
+
+    def in_process(args):
+        made["args"], made["llm"] = args, LabellingLLM(total=1)
+        made["llm"].check_health = lambda: asyncio.sleep(0)
+        return made["llm"]
+
+    def engine_args(**fields):  # a dataclass as vLLM's AsyncEngineArgs is (the engine `dataclasses.replace`s it)
+        return dataclasses.make_dataclass("Args", list(fields))(**fields)
+
+    stand_in = types.SimpleNamespace(AsyncEngineArgs=engine_args, in_process_async_llm=in_process, token_prompt=list)
+    monkeypatch.setattr(engine_module, "_vllm", lambda: stand_in)
+    monkeypatch.setattr(engine_module, "engine_env", lambda spec, on_gpu: None)
+    monkeypatch.setattr(engine_module, "_on_gpu", lambda: False)
+    engine = VLLMEngine(EngineSpec(name="e0", model_path="unused"))
+    health = asyncio.run(engine.start())
+    assert made["llm"].labels == [("0", 0)] and engine._native_versions and health["core_in_process"]
+    assert made["args"].async_scheduling is False
 
 
 def test_tokens_vllm_did_not_label_fail_naming_the_engine_and_request():
