@@ -22,24 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from _proc import tree_cpu_s  # beside this file
+
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.rollout.tasks import CountTask, load_tokenizer
 
 PROMPTS, SAMPLES, NEW_TOKENS, WARMUP = 8, 8, 8, 3
-
-
-def tree_cpu_seconds() -> float:
-    """CPU seconds used so far by this process and its children (alive ones: the engine core is)."""
-    me, total = os.getpid(), 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(pid) == me or int(fields[1]) == me:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def start_llm(hf: str, in_process: bool):
@@ -97,9 +85,9 @@ async def child(hf: str, in_process: bool, rounds: int) -> dict:
 
     for _ in range(WARMUP):
         await round_()
-    cpu, start = tree_cpu_seconds(), time.perf_counter()
+    cpu, start = tree_cpu_s(), time.perf_counter()
     tokens = sum([await round_() for _ in range(rounds)])
-    report = {"s": (time.perf_counter() - start) / rounds, "cpu_s": (tree_cpu_seconds() - cpu) / rounds}
+    report = {"s": (time.perf_counter() - start) / rounds, "cpu_s": (tree_cpu_s() - cpu) / rounds}
     llm.shutdown()
     assert tokens == rounds * PROMPTS * SAMPLES * NEW_TOKENS, tokens
     return {k: round(v, 4) for k, v in report.items()}

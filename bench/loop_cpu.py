@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from _proc import descendants, proc_stat  # beside this file
 from peer_trl import make_model, run_mrl, say  # beside this file; it keeps a local Ray on loopback
 
 from megatron_rl.metrics.logger import is_step_record, read_metrics
@@ -41,7 +42,6 @@ ROLES = (
 """(Text its command line holds or starts with, role) of each process the run starts; anything else is `other`."""
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
 """Thread names of gloo's transport loops and of its process groups' work threads."""
-TICK = os.sysconf("SC_CLK_TCK")
 SWITCH_KEYS = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")
 """The lines of a thread's /proc status that count its context switches."""
 
@@ -58,36 +58,6 @@ def thread_kind(pid: int, tid: int, name: str) -> str:
     if tid == pid:
         return "main"
     return "gloo" if name.startswith(GLOO_THREADS) else "other"
-
-
-def proc_stat(path: str) -> tuple[str, int, float] | None:
-    """(name, parent pid, CPU seconds) from a /proc stat file; None once the process or thread is gone."""
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return text[text.index("(") + 1 : text.rindex(")")], int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
-
-
-def descendants(root: int) -> dict[int, str]:
-    """Every live process under `root` (and `root` itself), with its command line."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := proc_stat(f"/proc/{entry}/stat")) is not None:
-            parents[int(entry)] = stat[1]
-    found, frontier = {root}, [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier and pid not in found]
-        found.update(children)
-        frontier = children
-    out = {}
-    for pid in found:
-        try:
-            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-    return out
 
 
 def _switches(pid: int) -> tuple[int, int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 
 from megatron_rl.rollout.ray_env import prefer_loopback_ray
@@ -24,7 +23,7 @@ from megatron_rl.rollout.ray_env import prefer_loopback_ray
 prefer_loopback_ray()  # a local Ray on loopback only: before anything below imports ray
 
 import ray  # noqa: E402
-from loop_cpu import descendants, proc_stat  # noqa: E402  (beside this file)
+from _proc import tree_cpu_s  # noqa: E402  (beside this file)
 
 from megatron_rl.rollout.ray_utils import start_local_ray  # noqa: E402
 from megatron_rl.rollout.types import GenerationRequest  # noqa: E402
@@ -38,11 +37,6 @@ class Answerer:
 
     async def groups(self, groups: list[list[GenerationRequest]]) -> list[list[int]]:
         return [[len(r.prompt_ids) for r in reqs] for reqs in groups]
-
-
-def tree_cpu_s() -> float:
-    """CPU seconds of this process and every process under it."""
-    return sum(stat[2] for pid in descendants(os.getpid()) if (stat := proc_stat(f"/proc/{pid}/stat")) is not None)
 
 
 def main() -> None:
