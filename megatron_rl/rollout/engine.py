@@ -132,6 +132,7 @@ class VLLMEngine:
         self.version = 0
         self.consistent = True
         self.inconsistency = ""
+        self._failures: list[str] = []  # what each failed update said, in order
         self._llm = None
         self._started = asyncio.Event()
         self._start_error = ""
@@ -274,10 +275,16 @@ class VLLMEngine:
             self.stats["busy_seconds"] += now - self._busy_since
             self._busy_since = None
 
-    def _check_consistent(self) -> None:
+    def _check_consistent(self, failed: int | None = None) -> None:
+        """EngineError when the weights are inconsistent, or when an update failed since `failed` updates had (what
+        a segment started with: it sampled on the weights that update left, even if a later one mended them)."""
         if not self.consistent:
             raise EngineError(
                 f"engine {self.spec.name}: weights are inconsistent ({self.inconsistency}); refusing to generate"
+            )
+        if failed is not None and failed < len(self._failures):
+            raise EngineError(
+                f"engine {self.spec.name}: a request ran through a failed weight update ({self._failures[-1]})"
             )
 
     async def _wait_resumed(self) -> None:
@@ -309,7 +316,7 @@ class VLLMEngine:
         try:
             while len(tokens) < req.max_tokens:
                 await self._wait_resumed()
-                sub_id = f"{req.request_id}-{continuations}"
+                failed, sub_id = len(self._failures), f"{req.request_id}-{continuations}"
                 prompt = self._token_prompt(list(req.prompt_ids) + tokens)
                 params = self._sampling_params(req, req.max_tokens - len(tokens), continuations)
                 finish = None
@@ -334,7 +341,7 @@ class VLLMEngine:
                     segments.append(sub_id)
                 if self._native_versions:
                     versions += self._versions_of(sub_id, spans, len(tokens) - start_tokens)
-                self._check_consistent()  # a request frozen ('keep') under a failed update ran on broken weights
+                self._check_consistent(failed)  # frozen ('keep') under a failed update: it ran on broken weights
                 if sub_id in self._aborted_for_update and finish in (None, "abort"):
                     self._aborted_for_update.discard(sub_id)
                     continuations += 1
@@ -485,7 +492,9 @@ class VLLMEngine:
             except BaseException as err:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
-                await self._resume_after_failed_update()
+                self._failures.append(self.inconsistency)
+                with contextlib.suppress(Exception):  # release the paused requests (they see the inconsistency and
+                    await self.resume()  # fail); vLLM may be failing anyway: the update's error is the one to report
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
             self.version = version
             self.consistent = True
@@ -516,12 +525,6 @@ class VLLMEngine:
         llm = self._require()
         if not await llm.reset_prefix_cache():
             await llm.reset_prefix_cache(reset_running_requests=True)
-
-    async def _resume_after_failed_update(self) -> None:
-        """Release the paused requests (they see the inconsistency and fail); the update's own error is what gets
-        reported, not a failure to resume vLLM."""
-        with contextlib.suppress(Exception):  # vLLM is failing anyway; `resume` released the waiting requests
-            await self.resume()
 
     async def health(self) -> dict:
         """Whether vLLM is alive, its weight version and whether its weights are consistent."""

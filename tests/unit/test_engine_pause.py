@@ -242,6 +242,33 @@ def test_each_token_gets_the_version_vllm_labelled_it_with_set_while_generation_
     asyncio.run(scenario())
 
 
+def test_a_request_that_ran_through_a_failed_update_fails_even_when_a_later_update_mended_the_weights():
+    """A request frozen ('keep') under an update that fails goes on sampling on the weights it left; a later update
+    that succeeds before the request ends makes the engine consistent again, but not those tokens."""
+
+    async def scenario():
+        llm = LabellingLLM(total=4)
+        engine = _labelling_engine(llm)
+        await _labelled(llm, 0, 5.0)  # as `start` does
+        request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=4)))
+        await llm.started.wait()
+        llm.update_error = RuntimeError("bucket 1: receive timed out")
+        with pytest.raises(EngineError, match="update to version 1 failed"):
+            await engine.update_weights(1, "{}", "keep", timeout_s=5)
+        llm.so_far, llm.update_error = 2, None
+        await engine.update_weights(1, "{}", "keep", timeout_s=5)
+        assert engine.consistent and engine.version == 1
+        llm.finish.set()
+        with pytest.raises(
+            EngineError, match=r"engine e0: a request ran through a failed weight update \(update to version 1 failed"
+        ):
+            await asyncio.wait_for(request, 2)
+        after = await asyncio.wait_for(engine.generate(GenerationRequest(prompt_ids=[1], max_tokens=4)), 2)
+        assert len(after.token_ids) == 4  # a request started after the failure is not refused
+
+    asyncio.run(scenario())
+
+
 def test_a_label_vllm_refuses_fails_the_update_and_leaves_the_engine_inconsistent():
     async def scenario():
         llm = LabellingLLM(total=1)
