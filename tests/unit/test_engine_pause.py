@@ -260,11 +260,47 @@ def test_a_request_that_ran_through_a_failed_update_fails_even_when_a_later_upda
         assert engine.consistent and engine.version == 1
         llm.finish.set()
         with pytest.raises(
-            EngineError, match=r"engine e0: a request ran through a failed weight update \(update to version 1 failed"
+            EngineError,
+            match=r"engine e0: a request was in flight during a failed weight update \(update to version 1 f",
         ):
             await asyncio.wait_for(request, 2)
         after = await asyncio.wait_for(engine.generate(GenerationRequest(prompt_ids=[1], max_tokens=4)), 2)
         assert len(after.token_ids) == 4  # a request started after the failure is not refused
+
+    asyncio.run(scenario())
+
+
+class ScoringLLM(StandInLLM):
+    """Prompt logprobs (a teacher's scoring) that come back once the test sets `finish`."""
+
+    def __init__(self):
+        super().__init__()
+        self.release.set()
+        self.scoring, self.finish = asyncio.Event(), asyncio.Event()
+
+    async def generate(self, prompt: dict, params, request_id: str):
+        self.scoring.set()
+        await self.finish.wait()
+        rows = [None] + [{t: -0.25} for t in prompt["prompt_token_ids"][1:]]
+        yield types.SimpleNamespace(prompt_logprobs=rows, outputs=[])
+
+
+def test_a_scoring_in_flight_during_a_failed_update_fails_and_names_that_update():
+    async def scenario():
+        llm = ScoringLLM()
+        engine = _engine(llm)
+        scoring = asyncio.create_task(engine.score([[1, 2, 3]]))
+        await llm.scoring.wait()
+        for version, error in ((1, RuntimeError("bucket 0: receive timed out")), (1, RuntimeError("bucket 2: bad"))):
+            llm.update_error = error
+            with pytest.raises(EngineError):
+                await engine.update_weights(version, "{}", "keep", timeout_s=5)
+        llm.update_error = None
+        await engine.update_weights(1, "{}", "keep", timeout_s=5)
+        llm.finish.set()
+        with pytest.raises(EngineError, match=r"in flight during a failed weight update \(.*bucket 0: receive timed"):
+            await asyncio.wait_for(scoring, 2)  # the first failure it went through is named
+        assert await asyncio.wait_for(engine.score([[1, 2, 3]]), 2) == [[-0.25, -0.25]]
 
     asyncio.run(scenario())
 
