@@ -220,16 +220,23 @@ def _labelling_engine(llm: LabellingLLM) -> VLLMEngine:
     return engine
 
 
+async def _labelled_request_running(total: int) -> tuple[LabellingLLM, VLLMEngine, asyncio.Task]:
+    """An engine on a labelling vLLM, labelled version 0 as `start` does, and a request of `total` tokens it has
+    started."""
+    llm = LabellingLLM(total=total)
+    engine = _labelling_engine(llm)
+    await _labelled(llm, 0, 5.0)
+    request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=total)))
+    await llm.started.wait()
+    return llm, engine, request
+
+
 def test_each_token_gets_the_version_vllm_labelled_it_with_set_while_generation_was_paused():
     """Two updates land while a request runs (after 3 and 5 of its 8 tokens): vLLM's spans give each token its
     version, and the engine gave vLLM each label with generation paused."""
 
     async def scenario():
-        llm = LabellingLLM(total=8)
-        engine = _labelling_engine(llm)
-        await _labelled(llm, 0, 5.0)  # as `start` does
-        request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=8)))
-        await llm.started.wait()
+        llm, engine, request = await _labelled_request_running(8)
         llm.so_far = 3
         await engine.update_weights(1, "{}", "keep", timeout_s=5)
         llm.so_far = 5
@@ -247,11 +254,7 @@ def test_a_request_that_ran_through_a_failed_update_fails_even_when_a_later_upda
     that succeeds before the request ends makes the engine consistent again, but not those tokens."""
 
     async def scenario():
-        llm = LabellingLLM(total=4)
-        engine = _labelling_engine(llm)
-        await _labelled(llm, 0, 5.0)  # as `start` does
-        request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=4)))
-        await llm.started.wait()
+        llm, engine, request = await _labelled_request_running(4)
         llm.update_error = RuntimeError("bucket 1: receive timed out")
         with pytest.raises(EngineError, match="update to version 1 failed"):
             await engine.update_weights(1, "{}", "keep", timeout_s=5)
