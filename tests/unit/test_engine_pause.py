@@ -220,11 +220,12 @@ def _labelling_engine(llm: LabellingLLM) -> VLLMEngine:
     return engine
 
 
-async def _labelled_request_running(total: int) -> tuple[LabellingLLM, VLLMEngine, asyncio.Task]:
+async def _labelled_request_running(total: int, native: bool = True) -> tuple[LabellingLLM, VLLMEngine, asyncio.Task]:
     """An engine on a labelling vLLM, labelled version 0 as `start` does, and a request of `total` tokens it has
-    started."""
+    started (`native` False: the engine labels the tokens itself, as with a vLLM without labels)."""
     llm = LabellingLLM(total=total)
     engine = _labelling_engine(llm)
+    engine._native_versions = native
     await _labelled(llm, 0, 5.0)
     request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=total)))
     await llm.started.wait()
@@ -249,12 +250,13 @@ def test_each_token_gets_the_version_vllm_labelled_it_with_set_while_generation_
     asyncio.run(scenario())
 
 
-def test_a_request_that_ran_through_a_failed_update_fails_even_when_a_later_update_mended_the_weights():
+@pytest.mark.parametrize("native", [True, False], ids=["vllm-labels", "own-labels"])
+def test_a_request_that_ran_through_a_failed_update_fails_even_when_a_later_update_mended_the_weights(native):
     """A request frozen ('keep') under an update that fails goes on sampling on the weights it left; a later update
     that succeeds before the request ends makes the engine consistent again, but not those tokens."""
 
     async def scenario():
-        llm, engine, request = await _labelled_request_running(4)
+        llm, engine, request = await _labelled_request_running(4, native)
         llm.update_error = RuntimeError("bucket 1: receive timed out")
         with pytest.raises(EngineError, match="update to version 1 failed"):
             await engine.update_weights(1, "{}", "keep", timeout_s=5)
