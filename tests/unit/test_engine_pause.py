@@ -224,7 +224,7 @@ async def _labelled_request_running(total: int, native: bool = True) -> tuple[La
     """An engine on a labelling vLLM, labelled version 0 as `start` does, and a request of `total` tokens it has
     started (`native` False: the engine labels the tokens itself, as with a vLLM without labels)."""
     llm = LabellingLLM(total=total)
-    engine = _labelling_engine(llm)
+    engine = _engine(llm)
     engine._native_versions = native
     await _labelled(llm, 0, 5.0)
     request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=total)))
@@ -296,10 +296,10 @@ def test_a_scoring_in_flight_during_a_failed_update_fails_and_names_that_update(
         engine = _engine(llm)
         scoring = asyncio.create_task(engine.score([[1, 2, 3]]))
         await llm.scoring.wait()
-        for version, error in ((1, RuntimeError("bucket 0: receive timed out")), (1, RuntimeError("bucket 2: bad"))):
+        for error in (RuntimeError("bucket 0: receive timed out"), RuntimeError("bucket 2: bad")):
             llm.update_error = error
             with pytest.raises(EngineError):
-                await engine.update_weights(version, "{}", "keep", timeout_s=5)
+                await engine.update_weights(1, "{}", "keep", timeout_s=5)
         llm.update_error = None
         await engine.update_weights(1, "{}", "keep", timeout_s=5)
         llm.finish.set()
