@@ -225,6 +225,9 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         moe_case("moe-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING),
         *(moe_case(f"moe-packed-{name}", LAYOUTS[name], **packed) for name in PACKED_LAYOUTS),
         moe_case("moe-packed-mb4-ep2", LAYOUTS["ep2"], algo=MINIBATCHES, mbs=1, total_steps=8, **packed),
+        # One packed row a micro-batch: the second batch's shares pack into 4 and 3 rows, so one replica runs an
+        # empty micro-batch, with the load-balancing loss on.
+        moe_case("moe-aux-packed-ep2", LAYOUTS["ep2"], mbs=1, moe_aux_loss_coeff=0.01, **packed),
         moe_case("moe-packed-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING, **packed),
         moe_case("moe-sequential-ep2", LAYOUTS["ep2"], build=SEQUENTIAL),
         moe_case("clip-ep2", LAYOUTS["ep2"], optimizer=CLIPPED),
@@ -344,6 +347,17 @@ def test_right_padding_changes_nothing_in_the_expert_bias_update(reports):
         assert abs(want["loss"] - have["loss"]) <= PADDED_LOSS_TOL, (want["loss"], have["loss"])
     for i in range(len(plain["evals"])):
         assert _max_eval_diff(plain, padded, i) <= LOGPROB_TOL, (i, _max_eval_diff(plain, padded, i))
+
+
+def test_an_empty_packed_micro_batch_leaves_the_aux_loss_finite(reports):
+    """A replica whose share packs into fewer rows runs empty micro-batches (every replica runs as many as the one
+    that needs the most): the routers' load-balancing loss must add nothing there, not a NaN that has the guard
+    skip the whole update (megatron-core 0.16.1 divided by the micro-batch's zero real tokens)."""
+    ours, plain = reports["moe-aux-packed-ep2"], reports["moe-aux-1x1x1"]
+    assert ours["steps"][1]["batch/micro_batches"] == 4  # 4 rows on one replica, 3 on the other
+    for step in ours["steps"]:
+        assert step["guard/skipped"] == 0 and math.isfinite(step["grad_norm"]), step
+    assert ours["steps"][0]["loss"] == pytest.approx(plain["steps"][0]["loss"], abs=LOSS_TOL)
 
 
 def test_micro_batch_size_invariance(reports):

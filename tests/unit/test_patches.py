@@ -73,6 +73,20 @@ def expert_bias_counts():
     return router.local_tokens_per_expert.tolist()
 
 
+def aux_loss_empty():
+    from megatron.core.transformer.moe import moe_utils, router
+    res = {}
+    for name, total, valid in (("empty", 0.0, [False] * 4), ("real", 3.0, [True, True, True, False])):
+        probs = torch.rand(4, 8, requires_grad=True)
+        counts = torch.tensor([0.0] * 8) if total == 0 else torch.tensor([2.0, 1, 0, 1, 0, 1, 0, 1])
+        kw = dict(topk=2, num_experts=8, moe_aux_loss_coeff=0.01, padding_mask=torch.tensor(valid))
+        loss = router.switch_load_balancing_loss_func(probs, counts, torch.tensor(total), **kw)
+        loss.backward()
+        want = moe_utils.switch_load_balancing_loss_func(probs, counts, torch.tensor(max(total, 1.0)), **kw)
+        res[name] = [float(loss), float(want), bool(torch.isfinite(probs.grad).all())]
+    return res
+
+
 def split_size_types():
     seen = {}
     def fake_all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None):
@@ -122,6 +136,7 @@ def merged_dispatch():
 # One process for every Megatron-side check: each import of Megatron costs seconds.
 out["optimizer"] = optimizer_checks()
 out["expert_bias_counts"] = expert_bias_counts()
+out["aux_loss_empty"] = aux_loss_empty()
 out["split_types"] = split_size_types()
 out["merged_dispatch"] = merged_dispatch()
 print(json.dumps(out))
@@ -150,6 +165,7 @@ def test_all_patches_applied_once(patched):
         "local_attention_mla_channels",
         "mla_have_te_flag",
         "expert_bias_padding_mask",
+        "aux_loss_empty_micro_batch",
     }
     assert patched["idempotent"]
 
@@ -194,6 +210,14 @@ def test_optimizer_patches(patched):
 def test_expert_bias_counts_leave_padding_out(patched):
     """megatron-core 0.16.1 broadcast the [tokens] padding mask along the experts of the [tokens, experts] map."""
     assert patched["expert_bias_counts"] == [1.0, 2.0, 3.0]
+
+
+def test_an_all_padding_micro_batch_adds_a_zero_load_balancing_loss(patched):
+    """megatron-core 0.16.1 divided by the micro-batch's real token count: 0 * inf, a NaN in every router's
+    gradient, for the empty micro-batches a replica with fewer packed rows runs. Real tokens: the same value."""
+    empty, real = patched["aux_loss_empty"]["empty"], patched["aux_loss_empty"]["real"]
+    assert empty == [0.0, 0.0, True]
+    assert real[0] == pytest.approx(real[1], rel=1e-6) and real[0] > 0 and real[2]
 
 
 VLLM_READER = r"""

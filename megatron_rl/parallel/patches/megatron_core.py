@@ -375,7 +375,30 @@ def _patch_expert_bias_padding_mask() -> None:
     _wrap_method(TopKRouter, "_apply_expert_bias", wrap)
 
 
-_ALL_DEVICES = (_patch_expert_bias_padding_mask,)
+def _patch_aux_loss_empty_micro_batch() -> None:
+    """Failure (any device): with the padding mask the routers' load-balancing loss divides by the micro-batch's
+    real token count (`get_tokens_per_expert_and_token_count` sums the routing map), so a micro-batch of padding
+    only (a replica whose sequences pack into fewer rows than another's runs empty ones, since every replica
+    runs as many micro-batches as the one that needs the most) gives `0 * inf`: a NaN gradient in every router,
+    and the guard skips the whole update. Fix: the denominator is at least 1, so such a micro-batch adds a zero
+    loss, as z-loss already does (`z_loss_func` clamps its count). megatron-core 0.16.1.
+    """
+    from megatron.core.transformer.moe import router  # at apply time (see the module docstring)
+
+    original = router.switch_load_balancing_loss_func
+
+    @functools.wraps(original)
+    def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, *args, **kwargs):
+        if isinstance(total_num_tokens, torch.Tensor):
+            total_num_tokens = total_num_tokens.clamp(min=1)
+        else:
+            total_num_tokens = max(total_num_tokens, 1)
+        return original(probs, tokens_per_expert, total_num_tokens, *args, **kwargs)
+
+    router.switch_load_balancing_loss_func = switch_load_balancing_loss_func
+
+
+_ALL_DEVICES = (_patch_expert_bias_padding_mask, _patch_aux_loss_empty_micro_batch)
 """Fixes of Megatron-Core itself, applied on every device."""
 
 _CPU_ONLY = (
