@@ -23,7 +23,8 @@ fp32, GRPO advantages normalised within each group (mean and std), the loss a to
 Printed (one JSON object on stdout; progress on stderr), per side and seed, then medians over seeds and ratios
 (`tokens_per_s` mrl/trl, `s_to_0.9` trl/mrl): trained tokens/s = completion tokens trained in steps 2..N over
 the seconds from the end of step 1 to the end of step N; seconds (from the end of step 1) and steps to the first
-step whose 10-step trailing mean reward is >= 0.5 and >= 0.9 (null: never); mean reward over the last 60 s.
+step whose 10-step trailing mean reward is >= 0.5 and >= 0.9 (null: never); mean reward over the last 60 s
+(`reward_last_min`: the whole run when it is shorter).
 Each side is timed from its first training step: model loading, engine start-up and compilation excluded.
 
 Not the same on the two sides: megatron-rl generates asynchronously (batches up to 4 versions stale,
@@ -47,6 +48,8 @@ from pathlib import Path
 from megatron_rl.rollout.ray_env import prefer_loopback_ray
 
 prefer_loopback_ray()  # a local Ray on loopback only: before anything below imports ray
+
+import ray  # noqa: E402
 
 from megatron_rl.config import load_config  # noqa: E402
 from megatron_rl.launcher import run_training  # noqa: E402
@@ -118,7 +121,10 @@ def run_mrl(model: Path, seed: int, steps: int, root: Path, overrides: list[str]
     if actual != SETTINGS and not overrides:
         raise SystemExit(f"configs/quickstart.yaml no longer matches the TRL side: {actual} vs {SETTINGS}")
     say(f"megatron-rl seed {seed}: {steps} steps in {root / name}")
-    run_training(cfg)
+    try:
+        run_training(cfg)
+    finally:  # the local Ray this run started would idle beside the next TRL run: its processes go with it
+        ray.shutdown()
     records = [x for x in read_metrics(root / name / "metrics.jsonl") if is_step_record(x)]
     return [
         {"step": x["step"], "t": x["wall_s"], "reward": x["reward/mean"],

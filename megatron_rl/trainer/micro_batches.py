@@ -94,6 +94,14 @@ def schedule_shape(plan: MicroBatchPlan, model) -> tuple[int, int]:
     return plan.seq_length, plan.rows_per_micro_batch
 
 
+def as_scheduled(per_token: Tensor, plan: MicroBatchPlan, model) -> Tensor:
+    """`plan.routes`' per-token tensors (`[n * rows, L, ...]`, micro-batch after micro-batch) in the rows the model
+    sees: in the `thd` format each micro-batch's packed rows are one row laid end to end, so its router order is
+    row after row, not position after position across rows as `[rows, L]` would be read (`schedule_shape`)."""
+    seq, _ = schedule_shape(plan, model)
+    return per_token.reshape(-1, seq, *per_token.shape[2:])
+
+
 def unpacker(plan: MicroBatchPlan, index: int) -> Callable[[Tensor], Tensor]:
     """Micro-batch `index`'s outputs `[rows, L, ...]` -> `[b, S, ...]` in the batch layout (identity when padded)."""
     if plan.packed is None:

@@ -42,6 +42,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megatron_rl.errors import UserError
+from megatron_rl.trainer.micro_batches import as_scheduled, schedule_shape
 
 
 class RoutingReplayError(UserError, ValueError):
@@ -362,6 +363,7 @@ class BatchRouting:
 
     def __init__(self, model, mode: str):
         self.replay = RoutingReplay(model)
+        self.model = model
         self.mode = mode
         self.equal = self.total = 0
 
@@ -374,8 +376,8 @@ class BatchRouting:
             raise RoutingReplayError(
                 f"algorithm.routing={self.mode} but the batch carries no routes (engines started without capture?)"
             )
-        routes, free = plan.routes(batch.routes, batch.route_free)
-        rows = plan.rows_per_micro_batch
+        routes, free = (as_scheduled(t, plan, self.model) for t in plan.routes(batch.routes, batch.route_free))
+        rows = schedule_shape(plan, self.model)[1]
         if self.mode == "replay":
             block = self.replay.replaying(routes, free, rows, record=measure)
         else:

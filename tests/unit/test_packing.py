@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatron_rl.config import TrainerConfig
+from megatron_rl.trainer.micro_batches import as_scheduled, packed_model_inputs, schedule_shape
 from megatron_rl.trainer.packing import (
     MicroBatching,
     first_fit_decreasing,
@@ -98,3 +101,20 @@ def test_padded_micro_batches_by_count_or_tokens():
     micro = MicroBatching.of(TrainerConfig(micro_batch_size=2, micro_batch_tokens=64, pack_sequences=True))
     assert micro == MicroBatching(size=2, tokens=64, pack=True) and micro.budget(32) == 64
     assert MicroBatching(size=2).budget(32) == 64
+
+
+@pytest.mark.parametrize("attention", ["mask", "thd"])
+def test_routes_reach_each_router_token_in_the_order_the_model_reads_them(attention):
+    """Routing replay hands each micro-batch's routes to the routers position after position across its rows
+    (Megatron's `[s, b]` order): in the `thd` format the packed rows are one row, so the routes must be too."""
+    tokens, lengths = _batch([3, 5, 2, 4, 6, 1], seq=8)
+    plan = packed_plan(lengths, tokens, count=2, width=8)
+    assert plan.rows == 2  # two packed rows a micro-batch: where the two orders differ
+    model = SimpleNamespace(packed_attention=attention)
+    routes, _ = plan.routes(tokens, torch.zeros_like(tokens, dtype=torch.bool))  # each token's "route": itself
+    scheduled = as_scheduled(routes, plan, model)
+    per_micro_batch = schedule_shape(plan, model)[1]
+    for index, packed in enumerate(plan.packed):
+        ids = packed_model_inputs(packed, torch.device("cpu"), model, labels=False)["input_ids"]
+        given = scheduled[index * per_micro_batch : (index + 1) * per_micro_batch]
+        assert torch.equal(given.transpose(0, 1).reshape(-1), ids.transpose(0, 1).reshape(-1))
