@@ -397,7 +397,7 @@ with ir.ops.rms_norm.set_priority(priority.rms_norm), ir.ops.fused_add_rms_norm.
                           ir.ops.fused_add_rms_norm.dispatch(x, r, w, 1e-6).provider],
             "shape": list(got.shape), "q_untouched": torch.equal(q_before, q),
             "diff": max((got - want).abs().max().item(), (normed - want_normed).abs().max().item()) / scale,
-            "sum_diff": (summed - want_summed).abs().max().item(),
+            "sum_diff": (summed - want_summed).abs().max().item() / want_summed.abs().max().item(),
             "in_place": normed.data_ptr() == xi.data_ptr() and summed.data_ptr() == ri.data_ptr(),
             "native_for": [ir.ops.fused_add_rms_norm.dispatch(x, r.t().contiguous().t(), w, 1e-6).provider,
                            ir.ops.rms_norm.dispatch(x, w, 1e-6, 64).provider,
@@ -417,10 +417,13 @@ def test_cpu_engines_normalise_with_vllm_cpus_own_rms_norm_kernels():
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert "cpu_rms_norm_kernels" in out["patches"] and out["before"] == ["native"], out
     assert out["priority"] == [["mrl_cpu_c", "native"]] * 2, out
-    for dtype, tol in (("torch.float32", 1e-6), ("torch.bfloat16", 2**-7)):
+    # bf16: within two units in the last place of the largest value (one, and the residual sum exact, on AVX-512
+    # hosts; an AMD EPYC host with AVX2 only rounded the C++ kernel's results to 1.15 units and its sum to one);
+    # a wrong kernel is off by far more.
+    for dtype, tol in (("torch.float32", 1e-6), ("torch.bfloat16", 2**-6)):
         got = out[dtype]
         assert got["providers"] == ["mrl_cpu_c"] * 2 and got["shape"] == [16, 4, 32] and got["q_untouched"], got
-        assert got["diff"] <= tol and got["sum_diff"] == 0.0 and got["in_place"], (dtype, got)
+        assert got["diff"] <= tol and got["sum_diff"] <= tol and got["in_place"], (dtype, got)
         # a strided residual, variance_size, fp16 and no weight stay with the native code
         assert got["native_for"] == ["native"] * 4, (dtype, got)
 
