@@ -62,6 +62,7 @@ def build_options(cfg: RunConfig) -> BuildOptions:
         dtype=cfg.model.dtype, moe_dispatcher=cfg.trainer.moe_dispatcher, init_weights=False,
         max_sequence_length=cfg.model.max_sequence_length, moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff,
         recompute=cfg.trainer.recompute, logit_temperature=cfg.rollout.temperature,
+        packed_sequences=cfg.trainer.pack_sequences,
         use_te=False if cfg.lora.enabled else None,  # adapters sit on Megatron's local linears
     )  # fmt: skip
 

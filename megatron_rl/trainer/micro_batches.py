@@ -4,7 +4,8 @@ parallelism, and each micro-batch's model inputs with the function that takes it
 Packed micro-batches attend within each sequence through a block-diagonal causal `attention_mask` (the local
 spec's attention applies any mask it is given) or, with Transformer Engine, through `PackedSeqParams` in the
 `thd` format. Expert parallelism dispatches tokens per micro-batch, so every data-parallel replica must run the
-same number of them: the packed count is the largest any replica needs (one all-reduce).
+same number of them: the packed count is the largest any replica needs (one all-reduce); with the `allgather`
+dispatcher (`MicroBatching.uniform`) they also hold as many rows each.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def plan_micro_batches(
     tokens: Tensor, lengths: Tensor | None, micro: int | MicroBatching | MicroBatchPlan, ctx: ParallelContext
 ) -> MicroBatchPlan:
     """The plan for this replica's `tokens` `[B, S]` (a given plan is returned as it is). Packed: the sequences in
-    rows of S tokens, `micro.budget(S) // S` rows per micro-batch; as many micro-batches as the replica of the
-    data-parallel group that needs the most (every rank calls this: an all-reduce)."""
+    rows of S tokens, at most `micro.budget(S) // S` rows per micro-batch; as many micro-batches as the replica of
+    the data-parallel group that needs the most, and with `micro.uniform` as many rows in each on every replica
+    (every rank calls this: an all-reduce)."""
     if isinstance(micro, MicroBatchPlan):
         return micro
     micro = as_micro_batching(micro)
@@ -51,11 +53,14 @@ def plan_micro_batches(
         return padded_plan(batch, seq, micro)
     sizes = sequence_lengths(tokens, lengths)
     per_micro_batch = max(1, micro.budget(seq) // seq)  # rows of `seq` tokens
-    needed = math.ceil(packed_rows_needed(sizes.tolist(), seq) / per_micro_batch)
-    count = torch.tensor([needed], device=ctx.device)
+    rows = packed_rows_needed(sizes.tolist(), seq)
+    agreed = torch.tensor([math.ceil(rows / per_micro_batch), rows], device=ctx.device)
     if ctx.layout.data_parallel > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ctx.dp_group)
-    return packed_plan(sizes, tokens, int(count.item()), seq)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ctx.dp_group)
+    count, most_rows = (int(x) for x in agreed.tolist())
+    # The replica with the most rows needs the fewest per micro-batch that hold them; every other one fits too.
+    per = math.ceil(most_rows / count) if micro.uniform else None
+    return packed_plan(sizes, tokens, count, seq, rows=per)
 
 
 def _identity(output: Tensor) -> Tensor:
@@ -80,6 +85,11 @@ def packed_model_inputs(packed: PackedRows, device: torch.device, model, labels:
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
     else:
+        if getattr(getattr(gpt_model(model), "config", None), "masked_softmax_fusion", False):
+            raise ValueError(
+                "packed sequences reach a model built with the fused masked softmax, whose causal kernel ignores"
+                " their block mask: build it with BuildOptions(packed_sequences=True)"
+            )
         inputs["attention_mask"] = packed.attention_mask().to(device)
     if labels:
         inputs["labels"] = shaped(packed.labels)
@@ -123,9 +133,13 @@ def padding_of(plan: MicroBatchPlan, index: int, batch_padding: Tensor, model) -
     return padding.reshape(1, -1) if attention_format(model) == "thd" else padding
 
 
-def attention_format(model) -> str:
-    """How `model` (through Megatron's DDP and our LoRA wrappers, each holding `.module`) attends within packed
-    sequences: "thd" or "mask" (`build_gpt_model` records it)."""
+def gpt_model(model):
+    """The model `build_gpt_model` made inside `model` (Megatron's DDP and our LoRA wrappers each hold `.module`)."""
     while not hasattr(model, PACKED_ATTENTION) and hasattr(model, "module"):
         model = model.module
-    return getattr(model, PACKED_ATTENTION, "mask")
+    return model
+
+
+def attention_format(model) -> str:
+    """How `model` attends within packed sequences: "thd" or "mask" (`build_gpt_model` records it)."""
+    return getattr(gpt_model(model), PACKED_ATTENTION, "mask")

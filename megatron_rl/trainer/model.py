@@ -44,6 +44,9 @@ class BuildOptions:
     grouped_experts: bool = True
     """Without Transformer Engine, compute the routed experts with one grouped matmul per linear
     (`grouped_experts.GroupedLocalExperts`) instead of SequentialMLP's loop; the same parameters and results."""
+    packed_sequences: bool = False
+    """Packed micro-batches (`trainer.pack_sequences`) reach the model: the local spec's attention then applies
+    their block mask with the unfused softmax (Megatron's fused causal softmax ignores any mask it is given)."""
 
 
 def te_available() -> bool:
@@ -95,12 +98,7 @@ def make_transformer_config(
         attention_dropout=0.0,
         use_cpu_initialization=not on_gpu,
         perform_initialization=opts.init_weights,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=on_gpu,
-        bias_activation_fusion=False,
-        persist_layer_norm=False,
+        **fusion_settings(on_gpu, opts),
         variable_seq_lengths=opts.moe_dispatcher == "alltoall",
         deallocate_pipeline_outputs=False,
     )
@@ -108,6 +106,19 @@ def make_transformer_config(
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config_cls = MLATransformerConfig if family.uses_mla() else TransformerConfig
     return config_cls(**kwargs)
+
+
+def fusion_settings(on_gpu: bool, opts: BuildOptions) -> dict:
+    """TransformerConfig's fusion switches: the CUDA-only ones on a GPU alone, the masked softmax's not with packed
+    sequences (its causal kernel would let them attend across their neighbours)."""
+    return dict(
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=on_gpu and not opts.packed_sequences,
+        bias_activation_fusion=False,
+        persist_layer_norm=False,
+    )
 
 
 def build_gpt_model(

@@ -34,11 +34,20 @@ class MicroBatching:
     """Tokens per micro-batch (padded tokens when not packing); 0 uses `size` sequences."""
     pack: bool = False
     """Pack whole sequences end to end into rows of the padded length, no padding between them."""
+    uniform: bool = False
+    """Packed micro-batches hold as many rows on every data-parallel replica (the `allgather` MoE dispatcher
+    gathers each micro-batch's tokens over the expert-parallel group, which takes one shape); otherwise each
+    replica spreads its own rows over the agreed micro-batch count."""
 
     @classmethod
     def of(cls, trainer: TrainerConfig) -> MicroBatching:
         """The settings of the `trainer` config section."""
-        return cls(size=trainer.micro_batch_size, tokens=trainer.micro_batch_tokens, pack=trainer.pack_sequences)
+        return cls(
+            size=trainer.micro_batch_size,
+            tokens=trainer.micro_batch_tokens,
+            pack=trainer.pack_sequences,
+            uniform=trainer.moe_dispatcher == "allgather",
+        )
 
     def budget(self, seq: int) -> int:
         """The tokens one micro-batch may hold for a batch padded to `seq`."""
@@ -227,16 +236,21 @@ def packed_rows_needed(lengths: Sequence[int], width: int) -> int:
     return len(first_fit_decreasing(lengths, width))
 
 
-def packed_plan(lengths: Tensor, tokens: Tensor, count: int, width: int, pad_id: int = 0) -> MicroBatchPlan:
+def packed_plan(
+    lengths: Tensor, tokens: Tensor, count: int, width: int, pad_id: int = 0, rows: int | None = None
+) -> MicroBatchPlan:
     """The batch's sequences (`lengths` of `tokens` `[B, S]`) packed first-fit decreasing into rows of `width`
     tokens (at least the longest sequence; rows of the batch's own length keep the attention no larger than
     padded rows'), the rows dealt out in turn to `count` micro-batches of equal row counts (Megatron's schedule
-    takes one micro-batch shape; the last ones may get empty rows)."""
+    takes one micro-batch shape; the last ones may get empty rows): `rows` each when given (ValueError when they
+    cannot hold them all), else as few as hold them."""
     sizes = lengths.tolist()
     if max(sizes, default=0) > width:
         raise ValueError(f"packing: a sequence of {max(sizes)} tokens does not fit a row of {width}")
     row_bins = first_fit_decreasing(sizes, width)
-    per = max(1, math.ceil(len(row_bins) / count))
+    per = max(1, math.ceil(len(row_bins) / count)) if rows is None else rows
+    if per * count < len(row_bins):
+        raise ValueError(f"packing: {len(row_bins)} rows do not fit {count} micro-batches of {per} rows")
     parts = [row_bins[i * per : (i + 1) * per] for i in range(count)]
     packed = [pack_rows(tokens, lengths, part + [[]] * (per - len(part)), width, pad_id) for part in parts]
     return MicroBatchPlan(groups=[p.rows for p in packed], seq_length=width, packed=packed, rows=per)

@@ -228,6 +228,15 @@ def build_cases(root: Path, tiny_dir) -> dict[int, list[dict]]:
         # One packed row a micro-batch: the second batch's shares pack into 4 and 3 rows, so one replica runs an
         # empty micro-batch, with the load-balancing loss on.
         moe_case("moe-aux-packed-ep2", LAYOUTS["ep2"], mbs=1, moe_aux_loss_coeff=0.01, **packed),
+        # Megatron's allgather dispatcher takes one micro-batch shape over the EP group: four packed rows a
+        # micro-batch, the second batch's shares pack into 4 and 3 rows (3 alone: gloo aborts, 512 vs 384 bytes).
+        moe_case(
+            "moe-allgather-packed-ep2",
+            LAYOUTS["ep2"],
+            mbs=4,
+            build={"moe_dispatcher": "allgather"},
+            micro_batching={"pack": True, "uniform": True},
+        ),  # fmt: skip
         moe_case("moe-packed-mask-mb4-tp2", {"tp": 2}, algo=MINIBATCHES, total_steps=8, sampling=SAMPLING, **packed),
         moe_case("moe-sequential-ep2", LAYOUTS["ep2"], build=SEQUENTIAL),
         moe_case("clip-ep2", LAYOUTS["ep2"], optimizer=CLIPPED),
@@ -358,6 +367,14 @@ def test_an_empty_packed_micro_batch_leaves_the_aux_loss_finite(reports):
     for step in ours["steps"]:
         assert step["guard/skipped"] == 0 and math.isfinite(step["grad_norm"]), step
     assert ours["steps"][0]["loss"] == pytest.approx(plain["steps"][0]["loss"], abs=LOSS_TOL)
+
+
+def test_packed_micro_batches_take_one_shape_with_the_allgather_dispatcher(reports):
+    """With the allgather dispatcher every replica's packed micro-batches hold as many rows (it gathers tokens
+    over the EP group in one shape), and the run matches the unsharded padded one."""
+    ours = reports["moe-allgather-packed-ep2"]
+    assert [step["batch/micro_batches"] for step in ours["steps"]] == [1, 1]
+    _check_match(reports["moe-1x1x1"], ours)
 
 
 def test_micro_batch_size_invariance(reports):

@@ -9,7 +9,7 @@ Spec file (JSON): {"cases": [case, ...]}; each case:
                   logprobs too)
     optimizer     OptimizerConfig fields
     micro_batch_size, total_steps (LR schedule length), moe_aux_loss_coeff (default 0)
-    micro_batching (optional) {"tokens", "pack"}: token budget and sequence packing beside micro_batch_size
+    micro_batching (optional) {"tokens", "pack", "uniform"}: `MicroBatching` fields beside micro_batch_size
     grads_out     (optional) path the stats owner writes each parameter's reduced gradient of the first step to
                   (world size 1: the whole gradient is on the one rank)
     batches       paths of saved global batches (dicts of TrainBatch fields), one per step
@@ -106,9 +106,11 @@ def _load(state, case: dict) -> None:
 def run_case(case: dict) -> None:
     """Bring the rank up, run the steps, let the stats owner write the report, tear down."""
     layout = ParallelLayout(**case["layout"])
+    packed = bool(case.get("micro_batching", {}).get("pack", False))
     opts = BuildOptions(
-        init_weights=False, moe_aux_loss_coeff=case.get("moe_aux_loss_coeff", 0.0), **case.get("build", {})
-    )
+        init_weights=False, moe_aux_loss_coeff=case.get("moe_aux_loss_coeff", 0.0), packed_sequences=packed,
+        **case.get("build", {}),
+    )  # fmt: skip
     rank = bring_up_from_hf(case["hf"], layout, opts)
     ctx = rank.ctx
     algo = AlgorithmConfig(**case.get("algo", {}))

@@ -9,6 +9,7 @@ import torch
 
 from megatron_rl.config import TrainerConfig
 from megatron_rl.trainer.micro_batches import as_scheduled, packed_model_inputs, schedule_shape
+from megatron_rl.trainer.model import BuildOptions, fusion_settings
 from megatron_rl.trainer.packing import (
     MicroBatching,
     first_fit_decreasing,
@@ -88,6 +89,12 @@ def test_plan_restores_row_order_and_packs_routes():
     assert plan.token_fill(23) == pytest.approx(23 / 24) and narrow.token_fill(23) == pytest.approx(23 / 32)
     with pytest.raises(ValueError, match="does not fit"):
         packed_plan(lengths, tokens, count=2, width=6)
+    # A row count agreed over replicas (the allgather dispatcher's one shape): more rows than the plan needs.
+    agreed = packed_plan(lengths, tokens, count=2, width=12, rows=2)
+    assert agreed.rows_per_micro_batch == 2 and all(p.shape == (2, 12) for p in agreed.packed)
+    assert torch.equal(agreed.restore([tokens[g].float() for g in agreed.groups]), tokens.float())
+    with pytest.raises(ValueError, match="3 rows do not fit 1 micro-batches of 2 rows"):
+        packed_plan(lengths, tokens, count=1, width=8, rows=2)
 
 
 def test_padded_micro_batches_by_count_or_tokens():
@@ -100,6 +107,7 @@ def test_padded_micro_batches_by_count_or_tokens():
         padded_group_size(8, 32, MicroBatching(size=3))
     micro = MicroBatching.of(TrainerConfig(micro_batch_size=2, micro_batch_tokens=64, pack_sequences=True))
     assert micro == MicroBatching(size=2, tokens=64, pack=True) and micro.budget(32) == 64
+    assert MicroBatching.of(TrainerConfig(pack_sequences=True, moe_dispatcher="allgather")).uniform
     assert MicroBatching(size=2).budget(32) == 64
 
 
@@ -118,3 +126,21 @@ def test_routes_reach_each_router_token_in_the_order_the_model_reads_them(attent
         ids = packed_model_inputs(packed, torch.device("cpu"), model, labels=False)["input_ids"]
         given = scheduled[index * per_micro_batch : (index + 1) * per_micro_batch]
         assert torch.equal(given.transpose(0, 1).reshape(-1), ids.transpose(0, 1).reshape(-1))
+
+
+def test_packed_sequences_turn_the_fused_masked_softmax_off():
+    """Megatron's fused causal softmax (GPU, half precision, local spec) ignores the mask it is given, so packed
+    sequences would attend across their neighbours: packing builds the model without it, and a model built with
+    it refuses packed micro-batches."""
+    assert fusion_settings(True, BuildOptions())["masked_softmax_fusion"]
+    assert not fusion_settings(True, BuildOptions(packed_sequences=True))["masked_softmax_fusion"]
+    assert not fusion_settings(False, BuildOptions())["masked_softmax_fusion"]
+    tokens, lengths = _batch([3, 5, 2], seq=8)
+    packed = packed_plan(lengths, tokens, count=1, width=8).packed[0]
+    fused = SimpleNamespace(
+        module=SimpleNamespace(packed_attention="mask", config=SimpleNamespace(**fusion_settings(True, BuildOptions())))
+    )
+    with pytest.raises(ValueError, match="packed_sequences=True"):
+        packed_model_inputs(packed, torch.device("cpu"), fused, labels=False)
+    fused.module.config.masked_softmax_fusion = False
+    assert packed_model_inputs(packed, torch.device("cpu"), fused, labels=False)["attention_mask"].shape == (2, 1, 8, 8)
