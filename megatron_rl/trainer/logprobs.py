@@ -27,11 +27,11 @@ from megatron_rl.algorithms.sampling_mask import KEEP_ALL, SamplingMask, engine_
 from megatron_rl.models.routes import KEPT_PAD
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.micro_batches import (
+    loss_layout,
     micro_batch_tokens,
     packed_model_inputs,
     plan_micro_batches,
     schedule_shape,
-    unpacker,
 )
 from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
 
@@ -209,7 +209,7 @@ def _logprob_step(data_iterator, model):
     output = model(**item["inputs"])  # with labels: the per-token cross entropy, -log p(next token)
 
     def collect(output_tensor, non_loss_data=False):
-        return -item["unpack"](output_tensor)[:, :-1].detach().float()
+        return -item["layout"].back(output_tensor)[:, :-1].detach().float()
 
     return output, collect
 
@@ -224,8 +224,9 @@ def _masked_logprob_step(mask: SamplingMask, data_iterator, model):
     output = _logits_of(item, model)
 
     def collect(output_tensor, non_loss_data=False):
-        logprobs, _ = masked_logprobs(item["unpack"](output_tensor), item["labels"], mask, item["kept"])
-        return logprobs[:, :-1].detach().float()
+        layout = item["layout"]
+        logprobs, _ = masked_logprobs(layout.rows(output_tensor), item["labels"], mask, item["kept"])
+        return layout.back(logprobs)[:, :-1].detach().float()
 
     return output, collect
 
@@ -236,14 +237,15 @@ def _with_untempered_step(mask: SamplingMask | None, temperature: float, data_it
     labels = item["labels"]
 
     def collect(output_tensor, non_loss_data=False):
-        logits = item["unpack"](output_tensor)
+        layout = item["layout"]
+        logits = layout.rows(output_tensor)
         # A new tensor (the cross entropy overwrites its fp32 input): the logits before the temperature's division.
         untempered = -tensor_parallel.vocab_parallel_cross_entropy(logits.float() * temperature, labels)
         if mask is not None and mask.active:
             policy, _ = masked_logprobs(logits, labels, mask, item["kept"])
         else:
             policy = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
-        return torch.stack([policy, untempered])[:, :, :-1].detach().float()
+        return torch.stack([layout.back(policy), layout.back(untempered)])[:, :, :-1].detach().float()
 
     return output, collect
 
@@ -299,9 +301,10 @@ def _forward_item(plan: MicroBatchPlan, index: int, tokens: Tensor, kept: Tensor
         inputs = model_inputs(rows, device)
     else:
         inputs = packed_model_inputs(plan.packed[index], device, model, labels=True)
-    part = None if kept is None else kept[plan.groups[index]].to(device)
-    labels = shifted_labels(rows).to(device)
-    return {"inputs": inputs, "labels": labels, "kept": part, "unpack": unpacker(plan, index)}
+    layout = loss_layout(plan, index)
+    part = None if kept is None else layout.per_position(kept[plan.groups[index]].to(device), KEPT_PAD)
+    labels = layout.labels(shifted_labels(rows).to(device))
+    return {"inputs": inputs, "labels": labels, "kept": part, "layout": layout}
 
 
 def _forward_only(

@@ -10,8 +10,8 @@ dispatcher (`MicroBatching.uniform`) they also hold as many rows each.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -63,10 +63,6 @@ def plan_micro_batches(
     return packed_plan(sizes, tokens, count, seq, rows=per)
 
 
-def _identity(output: Tensor) -> Tensor:
-    return output
-
-
 def packed_model_inputs(packed: PackedRows, device: torch.device, model, labels: bool) -> dict:
     """GPTModel inputs of one micro-batch's packed rows: tokens, per-sequence positions, the attention within each
     sequence (a mask per row; with Transformer Engine the rows laid end to end as one `thd` row with
@@ -112,11 +108,39 @@ def as_scheduled(per_token: Tensor, plan: MicroBatchPlan, model) -> Tensor:
     return per_token.reshape(-1, seq, *per_token.shape[2:])
 
 
-def unpacker(plan: MicroBatchPlan, index: int) -> Callable[[Tensor], Tensor]:
-    """Micro-batch `index`'s outputs `[rows, L, ...]` -> `[b, S, ...]` in the batch layout (identity when padded)."""
-    if plan.packed is None:
-        return _identity
-    return plan.packed[index].unpack_rows
+@dataclasses.dataclass(frozen=True)
+class LossLayout:
+    """Where one micro-batch's per-token results are computed: on the rows the model ran (packed: the packed rows,
+    so that its vocabulary-wide logits are never unpacked to the larger `[b, S, V]`), then taken back to the
+    batch layout `[b, S, ...]` that every mask and stat keeps."""
+
+    packed: PackedRows | None = None
+    """The micro-batch's packed rows; None when padded (every method is then the identity)."""
+
+    def rows(self, output: Tensor) -> Tensor:
+        """The model's output as `[rows, L, ...]` (the `thd` format's one row split back into the packed rows)."""
+        if self.packed is None:
+            return output
+        return output.reshape(*self.packed.shape, *output.shape[2:])
+
+    def labels(self, batch_labels: Tensor) -> Tensor:
+        """Each position's next token on the model's rows: `batch_labels` `[b, S]`, or the packed rows' own."""
+        return batch_labels if self.packed is None else self.packed.labels.to(batch_labels.device)
+
+    def per_position(self, values: Tensor | None, fill) -> Tensor | None:
+        """This micro-batch's `[b, S or S-1, ...]` on the model's rows (packed: `[r, C, ...]`, `fill` elsewhere)."""
+        if values is None or self.packed is None:
+            return values
+        return self.packed.pack(values, fill, local=True)
+
+    def back(self, per_token: Tensor) -> Tensor:
+        """Per-token results on the model's rows -> `[b, S, ...]` in the batch layout (with gradient)."""
+        return per_token if self.packed is None else self.packed.unpack_rows(per_token)
+
+
+def loss_layout(plan: MicroBatchPlan, index: int) -> LossLayout:
+    """Micro-batch `index`'s `LossLayout`."""
+    return LossLayout(None if plan.packed is None else plan.packed[index])
 
 
 def micro_batch_tokens(plan: MicroBatchPlan, tokens: Tensor, index: int) -> Tensor:

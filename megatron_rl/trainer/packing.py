@@ -133,13 +133,18 @@ class PackedRows:
         starts = torch.cat([torch.zeros(1, dtype=torch.long), (flat[1:] != flat[:-1]).nonzero()[:, 0] + 1])
         return torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
 
-    def pack(self, per_position: Tensor, fill) -> Tensor:
-        """A batch-layout tensor `[B, S, ...]` (the whole batch's) -> these rows' `[r, C, ...]`, `fill` in padding."""
+    def pack(self, per_position: Tensor, fill, local: bool = False) -> Tensor:
+        """A batch-layout tensor `[B, S or S-1, ...]` (the whole batch's; with `local` this micro-batch's own `[b,
+        ...]` in packing order) -> these rows' `[r, C, ...]`, `fill` in padding (and at each sequence's last
+        token when it has S-1 columns)."""
         r, width = self.shape
-        out = torch.full((r * width, *per_position.shape[2:]), fill, dtype=per_position.dtype)
-        for i, (row, n) in enumerate(zip(self.rows.tolist(), self.lengths.tolist())):
-            out[self.unpack[i, :n]] = per_position[row, :n]
-        return out.reshape(r, width, *per_position.shape[2:])
+        device = per_position.device
+        source = per_position if local else per_position[self.rows.to(device)]
+        columns = min(source.shape[1], self.unpack.shape[1])
+        valid = (torch.arange(columns)[None, :] < self.lengths[:, None]).to(device)
+        out = torch.full((r * width, *source.shape[2:]), fill, dtype=source.dtype, device=device)
+        out[self.unpack[:, :columns].to(device)[valid]] = source[:, :columns][valid]
+        return out.reshape(r, width, *source.shape[2:])
 
     def unpack_rows(self, packed: Tensor) -> Tensor:
         """These rows' outputs `[r, C, ...]` (or flattened `[1, r * C, ...]`) -> `[b, S, ...]` in the batch layout

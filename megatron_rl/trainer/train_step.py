@@ -54,6 +54,7 @@ from megatron_rl.algorithms.metrics import fresh_mismatch_metrics, mismatch_metr
 from megatron_rl.algorithms.objective import LossSpec, denominators, policy_loss
 from megatron_rl.algorithms.sampling_mask import SamplingMask
 from megatron_rl.config import AlgorithmConfig
+from megatron_rl.models.routes import KEPT_PAD, TOP_PAD_LOGPROB
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import (
@@ -68,12 +69,13 @@ from megatron_rl.trainer.logprobs import (
     vocab_parallel_logprobs_at,
 )
 from megatron_rl.trainer.micro_batches import (
+    LossLayout,
+    loss_layout,
     packed_model_inputs,
     padding_of,
     plan_micro_batches,
     schedule_shape,
     sequence_lengths,
-    unpacker,
 )
 from megatron_rl.trainer.optimizer import TrainingState, current_lr, step_clipped_by, unwrap_model, zero_grads
 from megatron_rl.trainer.packing import MicroBatching, MicroBatchPlan
@@ -200,21 +202,25 @@ def micro_batch_loss(
     )  # fmt: skip
 
 
-def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float, unpack, output_tensor: Tensor):
-    """Megatron loss function: vocab-parallel logits (`unpack` takes them to the batch layout `[b, S, V/tp]`) ->
-    (scaled loss, what the update keeps)."""
-    output_tensor = unpack(output_tensor)
-    labels = shifted_labels(mb.tokens)
+def _loss_func(
+    mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float, layout: LossLayout, output_tensor: Tensor
+):
+    """Megatron loss function: vocab-parallel logits on the rows the model ran -> (scaled loss, what the update
+    keeps). Per-token results are computed there (`layout`: packed rows stay packed) and taken back to the batch
+    layout `[b, S]` of the masks."""
+    logits = layout.rows(output_tensor)
+    labels = layout.labels(shifted_labels(mb.tokens))
     outside = top = None
     if spec.top_kl:  # first: the cross entropy below overwrites fp32 logits in place
-        top = _top_kl_term(mb, spec, output_tensor)
+        top = _top_kl_term(mb, spec, logits, layout)
     if spec.sampling_mask is None:
-        logprobs, entropy = logprobs_and_entropy(output_tensor, labels, entropy_grad=spec.entropy_coef > 0)
+        logprobs, entropy = logprobs_and_entropy(logits, labels, entropy_grad=spec.entropy_coef > 0)
     else:
-        entropy = vocab_parallel_entropy(output_tensor, with_grad=spec.entropy_coef > 0)
-        logprobs, outside = masked_logprobs(output_tensor, labels, spec.sampling_mask, mb.kept_tokens)
-        outside = outside[:, :-1]
-    logprobs, entropy = logprobs[:, :-1], entropy[:, :-1]
+        entropy = vocab_parallel_entropy(logits, with_grad=spec.entropy_coef > 0)
+        kept = layout.per_position(mb.kept_tokens, KEPT_PAD)
+        logprobs, outside = masked_logprobs(logits, labels, spec.sampling_mask, kept)
+        outside = layout.back(outside)[:, :-1]
+    logprobs, entropy = layout.back(logprobs)[:, :-1], layout.back(entropy)[:, :-1]
     loss, _ = micro_batch_loss(logprobs, mb, spec, norms, entropy)
     if top is not None:  # a token mean over the global batch, like the KL and entropy terms
         loss = loss + spec.top_kl_coef * top.sum() / max(norms.input, 1.0)
@@ -224,13 +230,19 @@ def _loss_func(mb: TrainBatch, spec: LossSpec, norms: Normalizers, scale: float,
     return loss * scale, kept
 
 
-def _top_kl_term(mb: TrainBatch, spec: LossSpec, output_tensor: Tensor) -> Tensor:
+def _top_kl_term(mb: TrainBatch, spec: LossSpec, logits: Tensor, layout: LossLayout) -> Tensor:
     """`[b, S-1]` the top-k KL to the teacher at each response position (0 elsewhere), with gradient: the
     student's untempered logprobs at the teacher's top-k ids against the teacher's (`algorithms.distill`)."""
     if mb.teacher_top_ids is None:
         raise ValueError("distill.loss is a top-k KL but the batch carries no teacher top-k (Sample.metadata)")
-    student = vocab_parallel_logprobs_at(output_tensor[:, :-1] * spec.temperature, mb.teacher_top_ids)
-    term = top_k_kl(student, mb.teacher_top_logprobs, spec.top_kl)
+    ids = layout.per_position(mb.teacher_top_ids, 0)
+    teacher = layout.per_position(mb.teacher_top_logprobs, TOP_PAD_LOGPROB)
+    # Padded: the batch's `[b, S-1, k]` against all positions but the last; packed: every packed position.
+    positions = logits if layout.packed is not None else logits[:, :-1]
+    student = vocab_parallel_logprobs_at(positions * spec.temperature, ids)
+    term = top_k_kl(student, teacher, spec.top_kl)
+    if layout.packed is not None:
+        term = layout.back(term)[:, :-1]
     return torch.where(as_bool_mask(mb.loss_mask), term, torch.zeros_like(term))
 
 
@@ -240,7 +252,7 @@ def _train_forward_step(spec: LossSpec, norms: Normalizers | None, scale: float,
     output = model(**item["inputs"])
     if norms is None:  # not the last stage: the schedule never calls the loss function
         return output, None
-    return output, partial(_loss_func, item["batch"], spec, norms, scale, item["unpack"])
+    return output, partial(_loss_func, item["batch"], spec, norms, scale, item["layout"])
 
 
 def _micro_batches(batch: TrainBatch, ctx: ParallelContext, plan: MicroBatchPlan, model) -> list[dict]:
@@ -265,7 +277,7 @@ def _micro_batches(batch: TrainBatch, ctx: ParallelContext, plan: MicroBatchPlan
             padding = padding_of(plan, index, batch_padding, model)
             inputs["padding_mask"] = stage_padding_mask(padding, ctx, config.sequence_parallel).to(ctx.device)
         loss_inputs = mb.to(ctx.device) if ctx.is_last_stage else None
-        items.append({"inputs": inputs, "batch": loss_inputs, "unpack": unpacker(plan, index)})
+        items.append({"inputs": inputs, "batch": loss_inputs, "layout": loss_layout(plan, index)})
     return items
 
 
