@@ -8,8 +8,8 @@ Packing (`MicroBatching.pack`): whole sequences go back to back into rows as lon
 micro-batches that keep each within its token budget (`MicroBatching.budget`). Attention stays inside each
 sequence (a block-diagonal causal mask, or Transformer Engine's `thd` format with cumulative sequence lengths). The rotary embedding turns a position
 shift into a phase that cancels in every query-key product, so a sequence computes what it computes alone at
-row start. The losses run on the outputs unpacked to `[b, S]`, so everything per position (masks, old logprobs,
-routes, kept sets) keeps the batch's layout.
+row start. Per-token results (logprobs, entropy) are computed on the packed rows and unpacked to `[b, S]`, so
+everything per position (masks, old logprobs, routes) keeps the batch's layout.
 """
 
 from __future__ import annotations
