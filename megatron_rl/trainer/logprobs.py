@@ -302,7 +302,7 @@ def _forward_item(plan: MicroBatchPlan, index: int, tokens: Tensor, kept: Tensor
     else:
         inputs = packed_model_inputs(plan.packed[index], device, model, labels=True)
     layout = loss_layout(plan, index)
-    part = None if kept is None else layout.per_position(kept[plan.groups[index]].to(device), KEPT_PAD)
+    part = None if kept is None else layout.per_position(kept[plan.groups[index]].to(device), KEEP_ALL)
     labels = layout.labels(shifted_labels(rows).to(device))
     return {"inputs": inputs, "labels": labels, "kept": part, "layout": layout}
 

@@ -52,9 +52,9 @@ from megatron_rl.algorithms.distill import top_k_kl
 from megatron_rl.algorithms.masked import as_bool_mask, masked_count, masked_mean
 from megatron_rl.algorithms.metrics import fresh_mismatch_metrics, mismatch_metrics
 from megatron_rl.algorithms.objective import LossSpec, denominators, policy_loss
-from megatron_rl.algorithms.sampling_mask import SamplingMask
+from megatron_rl.algorithms.sampling_mask import KEEP_ALL, SamplingMask
 from megatron_rl.config import AlgorithmConfig
-from megatron_rl.models.routes import KEPT_PAD, TOP_PAD_LOGPROB
+from megatron_rl.models.routes import TOP_PAD_LOGPROB
 from megatron_rl.parallel.groups import ParallelContext
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import (
@@ -217,7 +217,7 @@ def _loss_func(
         logprobs, entropy = logprobs_and_entropy(logits, labels, entropy_grad=spec.entropy_coef > 0)
     else:
         entropy = vocab_parallel_entropy(logits, with_grad=spec.entropy_coef > 0)
-        kept = layout.per_position(mb.kept_tokens, KEPT_PAD)
+        kept = layout.per_position(mb.kept_tokens, KEEP_ALL)  # nothing is trained there: no set to recompute
         logprobs, outside = masked_logprobs(logits, labels, spec.sampling_mask, kept)
         outside = layout.back(outside)[:, :-1]
     logprobs, entropy = layout.back(logprobs)[:, :-1], layout.back(entropy)[:, :-1]

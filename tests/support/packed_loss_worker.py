@@ -2,16 +2,18 @@
 given the same logits padded (`[b, S, V]`) and packed (`[r, C, V]`, the sequences end to end), with every
 per-token path on: the engines' sampling mask with their kept sets (some rows given, some recomputed), the
 entropy bonus and distillation's top-k KL. Rank 0 writes the largest differences of the loss, the kept
-per-token results and the logits' gradients (at the real positions) to the report."""
+per-token results and the logits' gradients (at the real positions), and how many positions' kept sets each
+layout recomputed, to the report."""
 
 from __future__ import annotations
 
 import json
 import sys
+from unittest import mock
 
 import torch
 
-from megatron_rl.algorithms.sampling_mask import SamplingMask
+from megatron_rl.algorithms.sampling_mask import SamplingMask, keep_mask
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.models.routes import KEPT_PAD
 from megatron_rl.parallel.groups import destroy_distributed, init_distributed
@@ -23,6 +25,8 @@ from megatron_rl.trainer.train_step import Normalizers, _loss_func, loss_spec
 
 VOCAB, SEQ, K, TOP = 48, 12, 8, 4
 LENGTHS = [5, 12, 3, 7, 9, 4]
+UNIDENTIFIED = 1
+"""The row whose kept sets the engine could not identify."""
 
 
 def make_batch(gen: torch.Generator) -> TrainBatch:
@@ -36,7 +40,7 @@ def make_batch(gen: torch.Generator) -> TrainBatch:
         mask[row, 1 : n - 1] = 1  # a prompt of two tokens
     kept = torch.randint(0, VOCAB, (rows, SEQ - 1, K), generator=gen, dtype=torch.int32)
     kept[..., 0] = tokens[:, 1:]  # every label in its set
-    kept[1] = KEPT_PAD  # the engine could not identify row 1's sets: recomputed from the logits
+    kept[UNIDENTIFIED] = KEPT_PAD  # recomputed from the logits
     return TrainBatch(
         tokens=tokens, loss_mask=mask, advantages=torch.randn(rows, generator=gen),
         behaviour_logprobs=-torch.rand(rows, SEQ - 1, generator=gen) * 4 * mask,
@@ -62,10 +66,19 @@ def main(out: str) -> None:
     padded_in = logits[plan.groups[0]].clone().requires_grad_()
     packed_in = packed.pack(logits[plan.groups[0]], 0.0, local=True).requires_grad_()
     report = {"rows": list(packed.shape), "padded_positions": len(LENGTHS) * SEQ}
+    report["unidentified_positions"] = LENGTHS[UNIDENTIFIED] - 1
     results = {}
+    recomputed = []  # positions whose kept set is recomputed from the full logits (a TP gather each, at scale)
+
+    def counted(logits, top_k, top_p):
+        recomputed[-1] += logits.shape[0]
+        return keep_mask(logits, top_k, top_p)
+
     for name, layout, source in (("padded", LossLayout(), padded_in), ("packed", LossLayout(packed), packed_in)):
+        recomputed.append(0)
         # `_loss_func` may overwrite its fp32 input in place (Megatron's cross entropy): hand it a copy.
-        loss, kept = _loss_func(mb, spec, norms, 1.0, layout, source * 1.0)
+        with mock.patch("megatron_rl.trainer.logprobs.keep_mask", counted):
+            loss, kept = _loss_func(mb, spec, norms, 1.0, layout, source * 1.0)
         (grad,) = torch.autograd.grad(loss, source)
         results[name] = (loss, kept, layout.back(grad))
     (loss_a, kept_a, grad_a), (loss_b, kept_b, grad_b) = results["padded"], results["packed"]
@@ -79,6 +92,7 @@ def main(out: str) -> None:
     report["grad"] = float((grad_a - grad_b)[real].abs().max())
     report["grad_max"] = float(grad_a.abs().max())
     report["top_kl_mean"] = float(kept_a["top_kl"][response].mean())
+    report["recomputed"] = recomputed
     with open(out, "w") as f:
         json.dump(report, f)
     destroy_distributed()
