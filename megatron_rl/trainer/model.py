@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -108,14 +109,27 @@ def make_transformer_config(
     return config_cls(**kwargs)
 
 
-def fusion_settings(on_gpu: bool, opts: BuildOptions) -> dict:
-    """TransformerConfig's fusion switches: the CUDA-only ones on a GPU alone, the masked softmax's not with packed
-    sequences (its causal kernel would let them attend across their neighbours)."""
+FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+"""The CUDA extensions (Apex's, not in megatron-core's wheel) Megatron's fused masked softmax imports when a
+shape qualifies: without them its first half-precision forward on the local spec fails."""
+
+
+def fused_softmax_kernels() -> bool:
+    """Whether the fused masked softmax's CUDA extensions are installed."""
+    return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
+
+
+def fusion_settings(on_gpu: bool, opts: BuildOptions, softmax_kernels: bool | None = None) -> dict:
+    """TransformerConfig's fusion switches: the CUDA-only ones on a GPU alone; the masked softmax's only where its
+    kernels are installed (`softmax_kernels`, None: look) and not with packed sequences (its causal kernel would
+    let them attend across their neighbours)."""
+    if softmax_kernels is None:
+        softmax_kernels = on_gpu and fused_softmax_kernels()
     return dict(
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=False,
-        masked_softmax_fusion=on_gpu and not opts.packed_sequences,
+        masked_softmax_fusion=on_gpu and softmax_kernels and not opts.packed_sequences,
         bias_activation_fusion=False,
         persist_layer_norm=False,
     )

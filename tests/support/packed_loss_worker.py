@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch
 
-from megatron_rl.algorithms.sampling_mask import SamplingMask, keep_mask
+from megatron_rl.algorithms.sampling_mask import KEEP_ALL, SamplingMask, keep_mask
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.models.routes import KEPT_PAD
 from megatron_rl.parallel.groups import destroy_distributed, init_distributed
@@ -40,7 +40,9 @@ def make_batch(gen: torch.Generator) -> TrainBatch:
         mask[row, 1 : n - 1] = 1  # a prompt of two tokens
     kept = torch.randint(0, VOCAB, (rows, SEQ - 1, K), generator=gen, dtype=torch.int32)
     kept[..., 0] = tokens[:, 1:]  # every label in its set
-    kept[UNIDENTIFIED] = KEPT_PAD  # recomputed from the logits
+    kept[~mask.bool()] = KEPT_PAD  # as `batch_kept_sets` lays them out: positions nothing is trained on keep all
+    kept[~mask.bool(), 0] = KEEP_ALL
+    kept[UNIDENTIFIED][mask[UNIDENTIFIED].bool()] = KEPT_PAD  # recomputed from the logits
     return TrainBatch(
         tokens=tokens, loss_mask=mask, advantages=torch.randn(rows, generator=gen),
         behaviour_logprobs=-torch.rand(rows, SEQ - 1, generator=gen) * 4 * mask,
@@ -66,7 +68,7 @@ def main(out: str) -> None:
     padded_in = logits[plan.groups[0]].clone().requires_grad_()
     packed_in = packed.pack(logits[plan.groups[0]], 0.0, local=True).requires_grad_()
     report = {"rows": list(packed.shape), "padded_positions": len(LENGTHS) * SEQ}
-    report["unidentified_positions"] = LENGTHS[UNIDENTIFIED] - 1
+    report["unidentified_positions"] = int(batch.loss_mask[UNIDENTIFIED].sum())
     results = {}
     recomputed = []  # positions whose kept set is recomputed from the full logits (a TP gather each, at scale)
 
@@ -81,6 +83,8 @@ def main(out: str) -> None:
             loss, kept = _loss_func(mb, spec, norms, 1.0, layout, source * 1.0)
         (grad,) = torch.autograd.grad(loss, source)
         results[name] = (loss, kept, layout.back(grad))
+        if layout.packed is not None:  # the rows' tail padding is no sequence's: no gradient reaches it
+            report["padding_grad"] = float(grad[packed.padding()].abs().max())
     (loss_a, kept_a, grad_a), (loss_b, kept_b, grad_b) = results["padded"], results["packed"]
     real = torch.arange(SEQ)[None, :] < mb.lengths[:, None]
     response = mb.loss_mask.bool()

@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.config import TrainerConfig
 from megatron_rl.trainer.micro_batches import as_scheduled, packed_model_inputs, schedule_shape
-from megatron_rl.trainer.model import BuildOptions, fusion_settings
+from megatron_rl.trainer.model import FUSED_SOFTMAX_MODULES, BuildOptions, fusion_settings
 from megatron_rl.trainer.packing import (
     MicroBatching,
     first_fit_decreasing,
@@ -132,15 +132,34 @@ def test_packed_sequences_turn_the_fused_masked_softmax_off():
     """Megatron's fused causal softmax (GPU, half precision, local spec) ignores the mask it is given, so packed
     sequences would attend across their neighbours: packing builds the model without it, and a model built with
     it refuses packed micro-batches."""
-    assert fusion_settings(True, BuildOptions())["masked_softmax_fusion"]
-    assert not fusion_settings(True, BuildOptions(packed_sequences=True))["masked_softmax_fusion"]
+    assert fusion_settings(True, BuildOptions(), softmax_kernels=True)["masked_softmax_fusion"]
+    assert not fusion_settings(True, BuildOptions(packed_sequences=True), softmax_kernels=True)["masked_softmax_fusion"]
     assert not fusion_settings(False, BuildOptions())["masked_softmax_fusion"]
+    # Without Apex's extensions the fused softmax's first bf16 forward would fail on import: off.
+    assert not fusion_settings(True, BuildOptions(), softmax_kernels=False)["masked_softmax_fusion"]
     tokens, lengths = _batch([3, 5, 2], seq=8)
     packed = packed_plan(lengths, tokens, count=1, width=8).packed[0]
     fused = SimpleNamespace(
-        module=SimpleNamespace(packed_attention="mask", config=SimpleNamespace(**fusion_settings(True, BuildOptions())))
+        module=SimpleNamespace(
+            packed_attention="mask", config=SimpleNamespace(**fusion_settings(True, BuildOptions(), True))
+        )
     )
     with pytest.raises(ValueError, match="packed_sequences=True"):
         packed_model_inputs(packed, torch.device("cpu"), fused, labels=False)
     fused.module.config.masked_softmax_fusion = False
     assert packed_model_inputs(packed, torch.device("cpu"), fused, labels=False)["attention_mask"].shape == (2, 1, 8, 8)
+
+
+def test_the_fused_softmax_is_used_only_where_its_kernels_are_installed(monkeypatch):
+    """Megatron imports Apex's softmax extensions at the first forward a shape qualifies for: a GPU without them
+    builds the model unfused rather than failing there."""
+    import importlib.util
+
+    installed: set[str] = set()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    assert not fusion_settings(True, BuildOptions())["masked_softmax_fusion"]
+    installed.update(FUSED_SOFTMAX_MODULES[:1])
+    assert not fusion_settings(True, BuildOptions())["masked_softmax_fusion"]  # both are needed
+    installed.update(FUSED_SOFTMAX_MODULES)
+    assert fusion_settings(True, BuildOptions())["masked_softmax_fusion"]
+    assert not fusion_settings(False, BuildOptions())["masked_softmax_fusion"]
