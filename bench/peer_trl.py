@@ -11,7 +11,7 @@ fp32, GRPO advantages normalised within each group (mean and std), the loss a to
 
 - megatron-rl: configs/quickstart.yaml as it is (async, max_staleness 4, EP2 trainer, its micro-batching,
   decoupled PPO with TIS, one vLLM engine), with `model.hf_path`, `steps`, `trainer.seed` and `task.seed` set
-  (plus any `--mrl-override`).
+  (plus any `--mrl-override` of its own options: one that changes the settings both sides share is refused).
 - TRL 1.16.0 (`bench/peer_trl_trl.py`, in its own venv `bench/.venv-trl`, made on first use: not a project
   dependency): GRPOTrainer in one process, HF `generate` (use_vllm False), loss_type "dapo" (token-level mean
   over the global accumulated batch, as our `token_mean`), scale_rewards "group", one generation batch of 64
@@ -106,6 +106,20 @@ def count_prompts(model: Path, seed: int, n: int) -> list[dict]:
     return [{"prompt": r["prompt"], "prompt_ids": r["prompt_ids"]} for r, _ in zip(stream, range(n))]
 
 
+def check_settings(cfg, overrides: list[str]) -> None:
+    """SystemExit naming what differs when megatron-rl's `cfg` (the quickstart with `overrides`) no longer has the
+    settings the TRL side uses (`SETTINGS`): the comparison would not be of the same task and optimizer."""
+    r, opt = cfg.rollout, cfg.trainer.optimizer
+    actual = {"prompts_per_step": cfg.prompts_per_step, "samples_per_prompt": r.samples_per_prompt,
+              "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "lr": opt.lr,
+              "adam_beta2": opt.adam_beta2, "clip_grad": opt.clip_grad,
+              "clip_low": cfg.algorithm.clip_low, "clip_high": cfg.algorithm.clip_high}  # fmt: skip
+    differ = {key: (actual[key], SETTINGS[key]) for key in SETTINGS if actual[key] != SETTINGS[key]}
+    if differ:  # (ours, TRL's)
+        where = "--mrl-override" if overrides else "configs/quickstart.yaml"
+        raise SystemExit(f"{where} makes megatron-rl's settings differ from the TRL side's: {differ}")
+
+
 def run_mrl(model: Path, seed: int, steps: int, root: Path, overrides: list[str]) -> list[dict]:
     """One megatron-rl run of the quickstart on `model`; per step (end seconds, mean reward, tokens trained)."""
     name = f"mrl-seed{seed}"
@@ -113,13 +127,7 @@ def run_mrl(model: Path, seed: int, steps: int, root: Path, overrides: list[str]
         f"steps={steps}", f"name={name}", f"output_dir={root}", f"model.hf_path={model}", "model.make_tiny=false",
         f"trainer.seed={seed}", f"task.seed={seed}", *overrides,
     ])  # fmt: skip
-    r, opt = cfg.rollout, cfg.trainer.optimizer
-    actual = {"prompts_per_step": cfg.prompts_per_step, "samples_per_prompt": r.samples_per_prompt,
-              "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "lr": opt.lr,
-              "adam_beta2": opt.adam_beta2, "clip_grad": opt.clip_grad,
-              "clip_low": cfg.algorithm.clip_low, "clip_high": cfg.algorithm.clip_high}  # fmt: skip
-    if actual != SETTINGS and not overrides:
-        raise SystemExit(f"configs/quickstart.yaml no longer matches the TRL side: {actual} vs {SETTINGS}")
+    check_settings(cfg, overrides)
     say(f"megatron-rl seed {seed}: {steps} steps in {root / name}")
     try:
         run_training(cfg)
@@ -214,6 +222,7 @@ def main() -> None:
         " the whole update in one micro-batch, as the quickstart's trainer (micro_batch_tokens) takes it",
     )  # fmt: skip
     args = parser.parse_args()
+    check_settings(load_config(str(QUICKSTART), args.mrl_override), args.mrl_override)  # before any run
     stdout = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # everything else (Ray, vLLM, the launcher's console) goes to stderr: stdout is the JSON only
     python = ensure_trl_venv() if args.only != "mrl" else None

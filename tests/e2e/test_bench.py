@@ -180,3 +180,15 @@ def test_ray_calls_bench_times_each_way_of_sending_a_burst():
     assert result["burst_over_group_cpu"] == pytest.approx(
         result["one_call_per_burst"]["cpu_ms"] / result["one_call_per_group"]["cpu_ms"], abs=2e-3
     )
+
+
+def test_peer_trl_refuses_overrides_that_change_the_shared_settings():
+    """`bench/peer_trl.py` compares like with like: before any run, the quickstart (with the overrides) must have
+    the task and optimizer settings the TRL side uses; an override of megatron-rl's own options is fine."""
+    own = run_bench("peer_trl.py", "--seeds", "0", "--only", "mrl", "--mrl-override", "trainer.micro_batch_tokens=2048")
+    assert own["mrl_overrides"] == ["trainer.micro_batch_tokens=2048"] and own["per_seed"] == {"mrl": [], "trl": []}
+    proc = subprocess.run(
+        [sys.executable, "bench/peer_trl.py", "--only", "mrl", "--mrl-override", "rollout.temperature=0.7"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "{'temperature': (0.7, 1.0)}" in proc.stderr, proc.stderr[-2000:]
