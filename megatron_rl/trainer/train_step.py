@@ -217,8 +217,8 @@ def _loss_func(
         logprobs, entropy = logprobs_and_entropy(logits, labels, entropy_grad=spec.entropy_coef > 0)
     else:
         entropy = vocab_parallel_entropy(logits, with_grad=spec.entropy_coef > 0)
-        kept = layout.per_position(mb.kept_tokens, KEEP_ALL)  # nothing is trained there: no set to recompute
-        logprobs, outside = masked_logprobs(logits, labels, spec.sampling_mask, kept)
+        kept_sets = layout.per_position(mb.kept_tokens, KEEP_ALL)  # nothing is trained there: no set to recompute
+        logprobs, outside = masked_logprobs(logits, labels, spec.sampling_mask, kept_sets)
         outside = layout.back(outside)[:, :-1]
     logprobs, entropy = layout.back(logprobs)[:, :-1], layout.back(entropy)[:, :-1]
     loss, _ = micro_batch_loss(logprobs, mb, spec, norms, entropy)
