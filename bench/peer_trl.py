@@ -68,7 +68,7 @@ SETTINGS = {
     "prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 8, "temperature": 1.0, "lr": 3e-4,
     "adam_beta2": 0.99, "clip_grad": 1.0, "clip_low": 0.2, "clip_high": 0.28,
 }  # fmt: skip
-"""What both sides use; the megatron-rl values come from configs/quickstart.yaml (checked in `run_mrl`)."""
+"""What both sides use; the megatron-rl values come from configs/quickstart.yaml (`check_settings`, in `main` before any run)."""
 
 
 def say(message: str) -> None:

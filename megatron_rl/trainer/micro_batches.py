@@ -19,6 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_rl.parallel.groups import ParallelContext
+from megatron_rl.trainer.optimizer import unwrap_model
 from megatron_rl.trainer.packing import (
     MicroBatching,
     MicroBatchPlan,
@@ -81,7 +82,7 @@ def packed_model_inputs(packed: PackedRows, device: torch.device, model, labels:
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
     else:
-        if getattr(getattr(gpt_model(model), "config", None), "masked_softmax_fusion", False):
+        if getattr(getattr(unwrap_model(model), "config", None), "masked_softmax_fusion", False):
             raise ValueError(
                 "packed sequences reach a model built with the fused masked softmax, whose causal kernel ignores"
                 " their block mask: build it with BuildOptions(packed_sequences=True)"
@@ -157,13 +158,6 @@ def padding_of(plan: MicroBatchPlan, index: int, batch_padding: Tensor, model) -
     return padding.reshape(1, -1) if attention_format(model) == "thd" else padding
 
 
-def gpt_model(model):
-    """The model `build_gpt_model` made inside `model` (Megatron's DDP and our LoRA wrappers each hold `.module`)."""
-    while not hasattr(model, PACKED_ATTENTION) and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def attention_format(model) -> str:
     """How `model` attends within packed sequences: "thd" or "mask" (`build_gpt_model` records it)."""
-    return getattr(gpt_model(model), PACKED_ATTENTION, "mask")
+    return getattr(unwrap_model(model), PACKED_ATTENTION, "mask")

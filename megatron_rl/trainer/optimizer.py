@@ -48,9 +48,10 @@ class TrainingState:
 
 
 def unwrap_model(model):
-    """The GPTModel inside a (possibly DDP-wrapped) model."""
+    """The GPTModel inside `model`: Megatron's DDP and our LoRA view (`lora.AdaptersOff`) each hold the model they
+    wrap in `.module`, which Megatron's own modules do not have."""
 
-    while isinstance(model, DistributedDataParallel):
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
 

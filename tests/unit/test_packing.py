@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.config import TrainerConfig
+from megatron_rl.trainer.lora import AdaptersOff
 from megatron_rl.trainer.micro_batches import as_scheduled, packed_model_inputs, schedule_shape
 from megatron_rl.trainer.model import FUSED_SOFTMAX_MODULES, BuildOptions, fusion_settings
 from megatron_rl.trainer.packing import (
@@ -139,14 +140,13 @@ def test_packed_sequences_turn_the_fused_masked_softmax_off():
     assert not fusion_settings(True, BuildOptions(), softmax_kernels=False)["masked_softmax_fusion"]
     tokens, lengths = _batch([3, 5, 2], seq=8)
     packed = packed_plan(lengths, tokens, count=1, width=8).packed[0]
-    fused = SimpleNamespace(
-        module=SimpleNamespace(
-            packed_attention="mask", config=SimpleNamespace(**fusion_settings(True, BuildOptions(), True))
-        )
-    )
+    inner = torch.nn.Module()  # stands for the GPTModel: the wrapper below is the real LoRA view
+    inner.packed_attention = "mask"
+    inner.config = SimpleNamespace(**fusion_settings(True, BuildOptions(), True))
+    fused = AdaptersOff(inner)
     with pytest.raises(ValueError, match="packed_sequences=True"):
         packed_model_inputs(packed, torch.device("cpu"), fused, labels=False)
-    fused.module.config.masked_softmax_fusion = False
+    inner.config.masked_softmax_fusion = False
     assert packed_model_inputs(packed, torch.device("cpu"), fused, labels=False)["attention_mask"].shape == (2, 1, 8, 8)
 
 
