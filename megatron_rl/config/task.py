@@ -92,7 +92,7 @@ class TaskConfig(Section):
     """A linear length penalty, subtracted from the reward."""
     reward_timeout_s: float = Field(60.0, gt=0)
     """Longest one reward call may take; past it the sample's reward is NaN (a failed reward, counted and logged)
-    and the call's thread is left to finish (Python cannot stop it)."""
+    and the call's thread is left to finish (Python cannot stop it; a daemon thread, so the run still exits)."""
     prompt_key: str = "prompt"
     """Dataset column holding the prompt (text, or chat messages rendered with the chat template)."""
     answer_key: str = "answer"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import pickle
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +225,12 @@ def sleeps(response, answer, sample):
     return 1.0
 
 
+def records_and_sleeps(response, answer, sample):
+    RECEIVED.append(("records_and_sleeps", response))
+    time.sleep(1.0)
+    return 1.0
+
+
 async def async_sleeps(response, answer, sample):
     await asyncio.sleep(5)
 
@@ -351,17 +358,54 @@ def test_every_failure_is_a_nan_with_its_reason_never_an_escape(fn, error, threa
         runner.shutdown()
 
 
-def test_a_reward_past_its_time_fails_and_its_pool_is_replaced():
+def test_a_reward_past_its_time_fails_and_its_thread_is_replaced():
     runner = RewardRunner(timeout_s=0.2)
     start = time.monotonic()
     scored = _score(["sleeps"], TRL_RECORD, ["1"], runner)
     assert math.isnan(scored[0].reward) and "timed out after task.reward_timeout_s=0.2 s" in scored[0].error
-    assert runner.replaced_pools == 1
-    assert [s.reward for s in _score(["ours"], TRL_RECORD, ["12"], runner)] == [1.0]  # the new pool works at once
+    assert runner.stuck_threads == 1
+    assert [s.reward for s in _score(["ours"], TRL_RECORD, ["12"], runner)] == [1.0]  # a new thread works at once
     assert time.monotonic() - start < 0.9  # not waiting for the stuck thread
     scored = _score(["async_sleeps"], TRL_RECORD, ["1"], runner)
-    assert "timed out" in scored[0].error and runner.replaced_pools == 1  # async ones hold no thread
+    assert "timed out" in scored[0].error and runner.stuck_threads == 1  # async ones hold no thread
     runner.shutdown()
+
+
+def test_calls_queued_past_their_time_are_skipped_not_run():
+    """With one thread, the group's second call waits in the queue behind the first, which runs past its time:
+    both fail; the second never runs, and only the first's thread is written off."""
+    runner = RewardRunner(timeout_s=0.3, workers=1)
+    RECEIVED.clear()
+    scored = _score(["records_and_sleeps"], TRL_RECORD, ["1", "2"], runner)
+    assert all(math.isnan(s.reward) and "timed out" in s.error for s in scored)
+    time.sleep(1.5)  # the stuck call has returned; a queued call not skipped would have run by now
+    assert RECEIVED == [("records_and_sleeps", "1")] and runner.stuck_threads == 1
+    assert [s.reward for s in _score(["ours"], TRL_RECORD, ["12"], runner)] == [1.0]
+    runner.shutdown()
+
+
+def test_a_reward_that_never_returns_does_not_keep_the_process_from_exiting():
+    """The interpreter joins a ThreadPoolExecutor's threads at exit: a run whose reward hung never ended (its
+    launcher waited for the reward's thread after the summary). The reward threads are daemon threads."""
+    script = (
+        "import asyncio, time\n"
+        "from megatron_rl.rollout.rewards import RewardRunner, describe\n"
+        "def never(response, answer, sample):\n"
+        "    time.sleep(3600)\n"
+        "async def main():\n"
+        "    runner = RewardRunner(timeout_s=0.2)\n"
+        "    try:\n"
+        "        await runner.call(describe(never, 'never'), ('x', 'y', None), {})\n"
+        "    except Exception as err:\n"
+        "        print(err)\n"
+        "    runner.shutdown()\n"
+        "asyncio.run(main())\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "timed out after task.reward_timeout_s=0.2 s" in done.stdout
+    assert time.monotonic() - start < 60  # the import takes seconds; the hung reward would take an hour
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import queue
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_rl.rollout.rewards.calling import RewardFunction, outcome
@@ -45,30 +47,112 @@ async def _guarded_await(awaitable) -> tuple[bool, Any]:
         return False, _failure_text(err)
 
 
+class _Call:
+    """One plain reward call queued for a worker thread, and how far it got (`DaemonWorkers` guards `state`)."""
+
+    __slots__ = ("loop", "future", "fn", "args", "kwargs", "deadline", "state")
+
+    def __init__(self, loop, future, fn, args, kwargs, deadline):
+        self.loop, self.future, self.fn, self.args, self.kwargs = loop, future, fn, args, kwargs
+        self.deadline = deadline  # time.monotonic() past which the call is not started
+        self.state = "queued"  # -> "running" -> "done", or "abandoned" (past its time) at any point before "done"
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    if not future.done():  # a call past its time was cancelled by `wait_for`
+        future.set_result(result)
+
+
+class DaemonWorkers:
+    """`count` daemon threads that run plain reward calls off the event loop.
+
+    Daemon because a call past its time cannot be stopped, and the interpreter joins the threads of a
+    `ThreadPoolExecutor` at exit: one reward that never returned kept the launcher from exiting after its run. A
+    call abandoned while it runs writes its thread off (the thread ends when the call returns) and a new thread
+    takes its place; one still queued at its deadline is skipped."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.stuck_threads = 0
+        """Threads written off because their call ran past its time."""
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        for _ in range(count):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        threading.Thread(target=self._work, name="reward", daemon=True).start()
+
+    def submit(self, fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> tuple[asyncio.Future, _Call]:
+        """Queue `_guarded_call(fn, args, kwargs)`, to start within `timeout_s` or not at all; the future (of the
+        running loop) gets its result."""
+        loop = asyncio.get_running_loop()
+        call = _Call(loop, loop.create_future(), fn, args, kwargs, time.monotonic() + timeout_s)
+        self._calls.put(call)
+        return call.future, call
+
+    def abandon(self, call: _Call) -> None:
+        """Give up on `call` (past its time): skipped if still queued, its thread replaced if running."""
+        with self._lock:
+            running = call.state == "running"
+            if call.state != "done":
+                call.state = "abandoned"
+        if running:
+            self.stuck_threads += 1
+            self._start_thread()
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            with self._lock:
+                if call.state == "abandoned" or time.monotonic() >= call.deadline:
+                    call.state = "abandoned"  # its caller has given up, or is about to
+                    continue
+                call.state = "running"
+            result = _guarded_call(call.fn, call.args, call.kwargs)
+            with self._lock:
+                if call.state == "abandoned":
+                    return  # written off: a new thread has this one's place
+                call.state = "done"
+            try:
+                call.loop.call_soon_threadsafe(_settle, call.future, result)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits for this result
+                return
+
+    def shutdown(self) -> None:
+        """Let the threads end once the calls queued before this ran (stuck ones end when their calls return)."""
+        for _ in range(self.count):
+            self._calls.put(None)
+
+
 class RewardRunner:
-    """Runs reward calls within `timeout_s` each: plain functions in a thread pool (off the event loop), `async`
-    ones on the loop. A call past its time is a failure; its thread cannot be stopped, so the pool is replaced
-    and the stuck thread left to finish on its own."""
+    """Runs reward calls within `timeout_s` each: plain functions on `workers` daemon threads (off the event
+    loop), `async` ones on the loop. A call past its time is a failure; its thread cannot be stopped, so it is
+    left to finish on its own (`DaemonWorkers`) and cannot keep the process from exiting."""
 
     def __init__(self, timeout_s: float, workers: int = 2, field: str = "task.reward_timeout_s"):
-        self.timeout_s, self.workers, self.field = timeout_s, workers, field
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
-        self.replaced_pools = 0
+        self.timeout_s, self.field = timeout_s, field
+        self._threads = DaemonWorkers(workers)
+
+    @property
+    def stuck_threads(self) -> int:
+        """Threads written off because a plain reward ran past `timeout_s`."""
+        return self._threads.stuck_threads
 
     async def call(self, spec: RewardFunction, args: tuple, kwargs: dict) -> Any:
         """The function's value; RewardFailure when it raises, exits or times out."""
+        queued = None
         try:
             if spec.is_async:
                 ok, value = await asyncio.wait_for(_guarded_await(spec.target()(*args, **kwargs)), self.timeout_s)
             else:
-                loop = asyncio.get_running_loop()
-                future = loop.run_in_executor(self._pool, _guarded_call, spec.target(), args, kwargs)
+                future, queued = self._threads.submit(spec.target(), args, kwargs, self.timeout_s)
                 ok, value = await asyncio.wait_for(future, self.timeout_s)
                 if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
+                    queued = None
                     ok, value = await asyncio.wait_for(_guarded_await(value), self.timeout_s)
         except asyncio.TimeoutError:
-            if not spec.is_async:
-                self._replace_pool()
+            if queued is not None:
+                self._threads.abandon(queued)
             raise RewardFailure(f"timed out after {self.field}={self.timeout_s:g} s") from None
         except (Exception, SystemExit) as err:  # calling an async function may itself raise
             raise RewardFailure(_failure_text(err)) from None
@@ -76,14 +160,9 @@ class RewardRunner:
             raise RewardFailure(value)
         return value
 
-    def _replace_pool(self) -> None:
-        self._pool.shutdown(wait=False)
-        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="reward")
-        self.replaced_pools += 1
-
     def shutdown(self) -> None:
         """Stop taking calls (running ones finish in their threads)."""
-        self._pool.shutdown(wait=False)
+        self._threads.shutdown()
 
 
 class InlineRunner:
