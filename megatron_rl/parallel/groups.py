@@ -82,7 +82,7 @@ def init_distributed(
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=timeout_s / 60,  # a timedelta inside: minutes need not be whole
         create_gloo_process_groups=gloo_groups,
     )
     torch.manual_seed(seed)
