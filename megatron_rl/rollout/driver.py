@@ -371,7 +371,8 @@ def error_line(err: BaseException, limit: int = 200) -> str:
 
 async def ask_health(actor, timeout_s: float) -> tuple[dict, str | None]:
     """An engine actor's health report ({} when it did not answer in time, or failed to) and why the engine is
-    dead: its actor is gone, or vLLM inside it is (`alive` False); None when it is not known to be dead."""
+    dead: its actor is gone, or vLLM inside it is (`alive` False: dead, or stuck in a weight update); None when it
+    is not known to be dead."""
     try:
         health = await asyncio.wait_for(actor.health.remote(), timeout_s)
     except asyncio.TimeoutError:
@@ -381,7 +382,9 @@ async def ask_health(actor, timeout_s: float) -> tuple[dict, str | None]:
             return {}, error_line(err)
         log.warning("health check failed (%s); not taking the engine as dead", error_line(err))
         return {}, None
-    return health, (None if health.get("alive", True) else "vLLM inside the actor is dead")
+    if health.get("alive", True):
+        return health, None
+    return health, health.get("stuck") or "vLLM inside the actor is dead"
 
 
 def is_actor_death(err: BaseException) -> bool:

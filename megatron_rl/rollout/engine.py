@@ -45,6 +45,9 @@ from megatron_rl.weights.engine.worker import (
 
 RESUME_WAIT_MARGIN_S = 60.0
 """How much longer than the weight update's own timeout a paused request waits for the resume before it fails."""
+UPDATE_GRACE_S = 5.0
+"""How much longer than its timeout an engine gives an update before it fails it itself: the trainer's deadline
+(the same timeout, counted from before this call) passes first, and the trainer's error names the engine."""
 
 
 class EngineError(UserError, RuntimeError):
@@ -80,6 +83,7 @@ class VLLMEngine:
         self.version = 0
         self.consistent = True
         self.inconsistency = ""
+        self.stuck = ""  # set when vLLM did not answer a weight update in time: the engine is then taken for dead
         self._failures: list[str] = []  # what each failed update said, in order
         self._llm = None
         self._started = asyncio.Event()
@@ -428,34 +432,35 @@ class VLLMEngine:
     ) -> dict:
         """Receive one whole update from the trainer's senders and load it in place, then report.
 
-        The version advances only when every worker loaded every bucket; otherwise the engine is marked
-        inconsistent (it refuses to generate) and the error names it. Generation resumes either way, so the
-        requests waiting for it fail with that error instead of waiting for ever.
+        The version advances only when every worker loaded every bucket within `timeout_s` (+ `UPDATE_GRACE_S`);
+        otherwise the engine is marked inconsistent (it refuses to generate) and the error names it. Generation
+        resumes either way, so the requests waiting for it fail with that error instead of waiting for ever. Each
+        await is bounded: vLLM's utility calls have no deadline of their own (0.32: an in-process engine core
+        ignores `collective_rpc`'s timeout), and an update stuck in one held the lock and left the engine
+        reporting itself healthy.
         """
         async with self._update_lock:
             start = time.perf_counter()
             self._resume_wait_s = timeout_s + RESUME_WAIT_MARGIN_S
             try:
-                await self.pause(self._lora.pause_mode(inflight))
-                results = await self.collective_rpc(RECEIVE_UPDATE, args=(version, plan_json), timeout=timeout_s)
-                await self._lora.activate(self._llm, version, results, timeout_s)  # lora.sync=vllm: its new adapter
-                if self._native_routes:
-                    await self.reset_prefix_cache()
-                if self._native_versions:  # while paused: every token sampled from here on is the new version's
-                    await _labelled(self._llm, version, self.spec.rpc_timeout_s)
+                results = await asyncio.wait_for(
+                    self._load_update(version, plan_json, inflight, timeout_s), timeout_s + UPDATE_GRACE_S
+                )
             except BaseException as err:
-                self.consistent = False
-                self.inconsistency = f"update to version {version} failed: {type(err).__name__}: {err}"
-                self._failures.append(self.inconsistency)
+                self._fail_update(version, err, timeout_s + UPDATE_GRACE_S)
                 # Release the paused requests (they see the inconsistency and fail); vLLM may be failing too, but
                 # the update's error is the one to report.
                 with contextlib.suppress(Exception):
-                    await self.resume()
+                    await asyncio.wait_for(self.resume(), self.spec.rpc_timeout_s)
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
             self.version = version
             self.consistent = True
             self.inconsistency = ""
-            await self.resume()
+            try:
+                await asyncio.wait_for(self.resume(), self.spec.rpc_timeout_s)
+            except asyncio.TimeoutError as err:  # the weights are in, but the engine cannot generate
+                self._fail_update(version, err, self.spec.rpc_timeout_s, what="its resume")
+                raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
             return {
                 "engine": self.spec.name,
                 "version": version,
@@ -463,6 +468,30 @@ class VLLMEngine:
                 "workers": results,
                 **({"lora": self._lora.describe()} if self._lora.enabled else {}),  # the adapter now served
             }
+
+    async def _load_update(self, version: int, plan_json: str, inflight: str, timeout_s: float) -> list:
+        """Pause, have every worker receive and load the update, then what the new weights need before requests
+        go on (the LoRA adapter, a cleared prefix cache, vLLM's version label); the workers' reports."""
+        await self.pause(self._lora.pause_mode(inflight))
+        results = await self.collective_rpc(RECEIVE_UPDATE, args=(version, plan_json), timeout=timeout_s)
+        await self._lora.activate(self._llm, version, results, timeout_s)  # lora.sync=vllm: its new adapter
+        if self._native_routes:
+            await self.reset_prefix_cache()
+        if self._native_versions:  # while paused: every token sampled from here on is the new version's
+            await _labelled(self._llm, version, self.spec.rpc_timeout_s)
+        return results
+
+    def _fail_update(self, version: int, err: BaseException, timeout_s: float, what: str = "it") -> None:
+        """Mark the engine inconsistent after update `version` failed with `err`; stuck when it timed out (vLLM
+        did not answer: only a restart mends that, and a push waits for one)."""
+        if isinstance(err, asyncio.TimeoutError):
+            why = f"{what} did not finish within {timeout_s:g} s"
+            self.stuck = f"vLLM did not answer: update to version {version} failed: {why}"
+        else:
+            why = f"{type(err).__name__}: {err}"
+        self.consistent = False
+        self.inconsistency = f"update to version {version} failed: {why}"
+        self._failures.append(self.inconsistency)
 
     def _versions_of(self, sub_id: str, spans, count: int) -> list[int]:
         """Each token's weight version from vLLM's spans for one segment; EngineError when they do not cover it."""
@@ -483,9 +512,10 @@ class VLLMEngine:
             await llm.reset_prefix_cache(reset_running_requests=True)
 
     async def health(self) -> dict:
-        """Whether vLLM is alive, its weight version and whether its weights are consistent."""
+        """Whether vLLM is alive (not when it left a weight update unanswered: `stuck` says so), its weight
+        version and whether its weights are consistent."""
         llm = self._require()
-        alive = True
+        alive = not self.stuck
         try:
             await llm.check_health()
         except Exception:  # vLLM raises EngineDeadError and friends
@@ -493,6 +523,7 @@ class VLLMEngine:
         return {
             "engine": self.spec.name,
             "alive": alive,
+            "stuck": self.stuck,
             "version": self.version,
             "consistent": self.consistent,
             "eager": self._eager_mode,

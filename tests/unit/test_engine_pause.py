@@ -10,6 +10,7 @@ import types
 import pytest
 
 from megatron_rl.rollout import engine as engine_module
+from megatron_rl.rollout.driver import ask_health
 from megatron_rl.rollout.engine import EngineError, EngineSpec, GenerationRequest, VLLMEngine, _labelled
 from megatron_rl.rollout.engine_outputs import has_weight_versions, span_versions
 
@@ -103,6 +104,48 @@ def test_generation_paused_past_the_updates_timeout_fails_naming_the_engine(monk
             await asyncio.wait_for(request, 2)
         llm.release.set()
         await update
+
+    asyncio.run(scenario())
+
+
+def test_an_update_vllm_never_answers_fails_at_its_timeout_and_the_engine_is_taken_for_dead(monkeypatch):
+    """vLLM's utility calls have no deadline of their own: an update RPC that never returned held the update
+    lock for ever and left the engine reporting itself healthy, so nothing restarted it. Now the update fails
+    at its timeout, the paused request fails with it, and health says the engine is stuck (the supervisor's
+    probe then restarts it, and the trainer's push waits for that restart)."""
+    monkeypatch.setattr(engine_module, "UPDATE_GRACE_S", 0.0)
+
+    async def scenario():
+        llm = StandInLLM()  # `release` is never set: the RPC never returns
+        llm.check_health = lambda: asyncio.sleep(0)
+        engine = _engine(llm)
+        update, request = await _request_parked_under_update(engine, llm, timeout_s=0.3)
+        with pytest.raises(EngineError, match=r"update to version 1 failed: it did not finish within 0\.3 s"):
+            await asyncio.wait_for(update, 5)
+        with pytest.raises(EngineError, match=r"weights are inconsistent \(update to version 1 failed"):
+            await asyncio.wait_for(request, 2)
+        assert not llm.paused and not engine._update_lock.locked()
+        health = await engine.health()
+        assert health["alive"] is False and not health["consistent"]
+        assert health["stuck"] == "vLLM did not answer: update to version 1 failed: it did not finish within 0.3 s"
+        actor = types.SimpleNamespace(health=types.SimpleNamespace(remote=engine.health))
+        assert (await ask_health(actor, 1.0))[1] == health["stuck"]  # the reason the supervisor restarts it for
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_update_that_vllm_answered_leaves_the_engine_alive():
+    """An update that failed with an error (not a silence) is mended by the trainer's next push: not stuck."""
+
+    async def scenario():
+        llm = StandInLLM(update_error=RuntimeError("bucket 3: receive timed out"))
+        llm.check_health = lambda: asyncio.sleep(0)
+        llm.release.set()
+        engine = _engine(llm)
+        with pytest.raises(EngineError):
+            await engine.update_weights(1, "{}", "keep", timeout_s=5.0)
+        health = await engine.health()
+        assert health["alive"] is True and health["stuck"] == "" and not health["consistent"]
 
     asyncio.run(scenario())
 
