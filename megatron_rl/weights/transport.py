@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -161,7 +162,40 @@ class WeightGroup:
                 f"weight group of sender {self.spec.sender}: not formed within {self.timeout.total_seconds():.0f} s; "
                 f"missing: {', '.join(missing) or 'none (joined but failed)'} ({type(err).__name__})"
             ) from None
+        self._first_collective(prefix)
         return self
+
+    def _first_collective(self, prefix: dist.PrefixStore) -> None:
+        """A one-element broadcast by every member, under the group's timeout, before any real transfer.
+
+        NCCL builds its communicator at a group's first collective and blocks there, without a deadline, until
+        every member has posted it: a member that joined and then failed (its placement check, its engine's
+        pause) left the sender stuck in its first bucket, before any `Work` existed to poll. So the first
+        collective runs here, on a daemon thread the caller waits for (on gloo too: one path, and the members
+        that never took part are named the same way)."""
+        prefix.set(f"first/{self.rank}", "1")
+        device = torch.device("cuda", torch.cuda.current_device()) if self.spec.backend == "nccl" else "cpu"
+        failure: list[BaseException] = []
+
+        def first() -> None:
+            try:
+                self.broadcast(torch.zeros(1, device=device), src=0).wait()
+                if device != "cpu":
+                    torch.cuda.current_stream(device).synchronize()
+            except BaseException as err:  # reported by the caller
+                failure.append(err)
+
+        thread = threading.Thread(target=first, name=f"weight-group-{self.spec.sender}-first", daemon=True)
+        thread.start()
+        thread.join(self.timeout.total_seconds())
+        if thread.is_alive() or failure:
+            absent = [name for r, name in enumerate(self.spec.members) if not prefix.check([f"first/{r}"])]
+            why = type(failure[0]).__name__ if failure else "still waiting"
+            self.pg = None
+            raise TransportError(
+                f"weight group of sender {self.spec.sender}: joined, but its first transfer did not complete within "
+                f"{self.timeout.total_seconds():.0f} s; not taking part: {', '.join(absent) or 'none'} ({why})"
+            )
 
     def _gloo_options(self):
         """`streams` devices (a full mesh of TCP connections each), found as torch finds its one (on the

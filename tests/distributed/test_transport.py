@@ -140,6 +140,42 @@ def test_member_that_never_joins_is_named_within_the_timeout():
     joiner.join()
 
 
+def _member_that_skips_the_first_transfer(spec: GroupSpec, rank: int, queue) -> None:
+    """Joins and forms the group, then fails before its first transfer (as a worker whose placement check
+    raises would): it never posts the first collective."""
+    WeightGroup._first_collective = lambda self, prefix: None
+    try:
+        WeightGroup(spec, rank, timeout_s=30).connect()
+        queue.put((rank, "formed"))
+        time.sleep(60)
+    except Exception as err:
+        queue.put((rank, f"{type(err).__name__}: {err}"))
+
+
+def test_a_member_that_joins_but_never_transfers_is_named_within_the_timeout():
+    """NCCL forms its communicator at the first collective and waits there without a deadline: the group's first
+    transfer happens in `connect`, under the timeout, and names who did not take part (gloo here, one code path)."""
+    spec = GroupSpec(0, "127.0.0.1", free_port(), ("trainer-rank0", "engine-0/worker0"))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    member = ctx.Process(target=_member_that_skips_the_first_transfer, args=(spec, 1, queue))
+    member.start()
+    try:
+        group = WeightGroup(spec, 0, timeout_s=4)
+        deadline = time.monotonic() + 120
+        while group.missing_members() != ["trainer-rank0"] and time.monotonic() < deadline:
+            time.sleep(0.2)  # wait until the spawned member has announced itself
+        start = time.monotonic()
+        with pytest.raises(TransportError, match=r"first transfer did not complete within 4 s; not taking part: "
+                           r"engine-0/worker0 "):  # fmt: skip
+            group.connect()
+        assert time.monotonic() - start < 30 and group.pg is None
+        assert queue.get(timeout=30) == (1, "formed")  # it did join and form the group
+    finally:
+        member.kill()
+        member.join()
+
+
 class _StuckWork:
     """An NCCL Work whose transfer never completes (a member died mid-transfer): `wait()` would return at once,
     since it only orders CUDA streams."""
