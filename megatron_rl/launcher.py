@@ -23,9 +23,11 @@ from megatron_rl.metrics.console import LOGS_DIR, Console, MetricsFollower, Thir
 from megatron_rl.metrics.evals import EVAL_FILE
 from megatron_rl.metrics.logger import is_step_record, read_metrics
 from megatron_rl.metrics.plots import plot_report, plot_reward_curve
+from megatron_rl.models import read_hf_config
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import layout_from_config
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
+from megatron_rl.planner.planning import checked_model
 from megatron_rl.rollout.buffer import make_buffer_actor
 from megatron_rl.rollout.control import CALL_TIMEOUT_S, CONTROL_NAME, make_control_actor
 from megatron_rl.rollout.driver import GenerationDriver, GenerationError, mode_lag
@@ -66,6 +68,17 @@ def ensure_model(cfg: RunConfig) -> str:
             " model.make_tiny=true and model.family for a small random model)"
         )
     return str(make_tiny(cfg.model.family, path, seed=cfg.trainer.seed))
+
+
+def check_learns(cfg: RunConfig) -> None:
+    """UserError for a run that would train on nothing: group-relative advantages with one response a prompt are
+    all 0 (a distillation run learns from its teacher's per-token scores instead)."""
+    if cfg.rollout.samples_per_prompt < 2 and not cfg.distill.enabled:
+        raise UserError(
+            f"algorithm.advantage={cfg.algorithm.advantage} compares each response with the others of its prompt's"
+            f" group: with rollout.samples_per_prompt={cfg.rollout.samples_per_prompt} every advantage is 0 and"
+            " nothing is learned; set it to 2 or more (the quickstart's is 8)"
+        )
 
 
 def engine_specs(cfg: RunConfig, hf_path: str) -> list:
@@ -297,7 +310,9 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
     folder's metrics cut to the resumed step (all of them for a fresh run) and its config written.
     Returns (config with the model's path, tokenizer, task, checkpoint to resume from, its run state)."""
     resume_from, run_state = resume_point(cfg)
+    check_learns(cfg)
     hf_path = ensure_model(cfg)
+    checked_model(cfg, read_hf_config(hf_path), f"{hf_path}/config.json")  # family and layout, before anything starts
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
     tokenizer = load_tokenizer(hf_path)
     if cfg.distill.teacher == "hf":

@@ -15,7 +15,8 @@ class ModelConfig(Section):
     hf_path: str = ""
     """Folder of a Hugging Face checkpoint (config.json + safetensors); its family is recognised from config.json."""
     family: Literal["qwen3_moe", "mixtral", "deepseek_v3", "qwen3"] | None = None
-    """Force a model family instead of recognising it from config.json."""
+    """The family of the tiny model `make_tiny` makes; with a checkpoint, the family its config.json must hold
+    (the trainer and the engines go by config.json: a mismatch is refused at start-up)."""
     make_tiny: bool = False
     """When hf_path holds no config.json, make a small random checkpoint of `family` there (`megatron-rl
     make-tiny`) instead of failing: for the quickstart, tests and demos, never for a real model."""

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from megatron_rl.config import RunConfig
-from megatron_rl.models import CheckpointError, family_for_hf_config, get_family
+from megatron_rl.models import CheckpointError, ModelArch, family_for_hf_config, get_family
 from megatron_rl.parallel.layout import LayoutError, ParallelLayout, check_layout_fits_model, layout_from_config
 from megatron_rl.planner.common import PlanError
 from megatron_rl.planner.engines import EnginePlan, EngineShape, plan_engines
@@ -147,20 +147,30 @@ def plan_teachers(cfg: RunConfig, student_arch) -> tuple[EnginePlan | None, str]
     return teachers, source
 
 
+def checked_model(cfg: RunConfig, hf_config: dict, source: str = "config.json") -> ModelArch:
+    """The model's shape, once its family is one we train, is the `model.family` the config names (when it names
+    one: the trainer and the engines go by config.json) and the trainer's layout divides it; PlanError naming
+    what does not. `megatron-rl train` runs it before anything starts, as `plan` does."""
+    try:
+        family = family_for_hf_config(hf_config, source)
+        arch = family.arch_from_hf(hf_config, source)
+    except CheckpointError as err:  # it names the source
+        raise PlanError(str(err)) from None
+    if cfg.model.family and cfg.model.family != family.name:
+        raise PlanError(f"model.family={cfg.model.family}, but {source} holds a {family.name} model")
+    try:
+        check_layout_fits_model(_layout(cfg), arch)
+    except LayoutError as err:
+        raise PlanError(f"trainer.{err}") from None
+    return arch
+
+
 def plan(cfg: RunConfig, hf_config: dict | None = None, model_source: str = "") -> Plan:
     """Plan a run config (with the model's HF config dict, read per `load_model_config` when not given)."""
     if hf_config is None:
         hf_config, model_source = load_model_config(cfg)
-    try:
-        family = get_family(cfg.model.family) if cfg.model.family else family_for_hf_config(hf_config)
-        arch = family.arch_from_hf(hf_config, model_source or "config.json")
-    except (CheckpointError, ValueError) as err:
-        raise PlanError(f"model ({model_source or 'config.json'}): {err}") from None
+    arch = checked_model(cfg, hf_config, model_source or "config.json")
     layout = _layout(cfg)
-    try:
-        check_layout_fits_model(layout, arch)
-    except LayoutError as err:
-        raise PlanError(f"trainer.{err}") from None
     trainer_gpus, inference_gpus = check_cluster(cfg, layout)
     trainer = plan_trainer(cfg, arch, hf_config, layout)
     engines = plan_engines(cfg, arch)
@@ -169,7 +179,7 @@ def plan(cfg: RunConfig, hf_config: dict | None = None, model_source: str = "") 
     size = model_size(arch, hf_config)
     lora = plan_lora(cfg, arch, layout, _stage_ranges(trainer.stage_layers), size.total) if cfg.lora.enabled else None
     return Plan(
-        name=cfg.name, family=family.name, model_source=model_source, size=size, gpu=cfg.cluster.gpu,
+        name=cfg.name, family=arch.family, model_source=model_source, size=size, gpu=cfg.cluster.gpu,
         trainer_gpus=trainer_gpus, inference_gpus=inference_gpus, trainer=trainer, engines=engines, lora=lora,
         teachers=teachers, teacher_source=teacher_source,
     )  # fmt: skip

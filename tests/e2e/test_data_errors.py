@@ -83,6 +83,22 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
             "reward 'no_such_rewards:compute_score': cannot import 'no_such_rewards': ModuleNotFoundError: No "
             "module named 'no_such_rewards'",
         ),
+        # Checked before anything starts too (they failed after Ray, the engines and torchrun had started, or not
+        # at all): the tiny model exists by now, made by the first case.
+        "one_sample": (
+            [*verl, "task.answer_key=reward_model.ground_truth", "rollout.samples_per_prompt=1"],
+            "algorithm.advantage=grpo compares each response with the others of its prompt's group: with "
+            "rollout.samples_per_prompt=1 every advantage is 0 and nothing is learned; set it to 2 or more (the "
+            "quickstart's is 8)",
+        ),
+        "family": (
+            [*verl, "task.answer_key=reward_model.ground_truth", "model.family=mixtral"],
+            f"model.family=mixtral, but {tmp_path / 'tiny' / 'config.json'} holds a qwen3_moe model",
+        ),
+        "layout": (
+            [*verl, "task.answer_key=reward_model.ground_truth", "trainer.parallel.ep=3"],
+            "trainer.parallel.ep=3: the model's experts (8) is not divisible by 3",
+        ),
     }
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps([_base(tmp_path, name) + args for name, (args, _) in cases.items()]))

@@ -13,6 +13,7 @@ import pytest
 from megatron_rl.config import load_config
 from megatron_rl.models import family_for_hf_config, get_family
 from megatron_rl.planner import GB, TINY_VOCAB, ModelSize, PlanError, kv_bytes_per_token, model_size, plan
+from megatron_rl.planner.planning import checked_model
 
 ROOT = Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("**/*.yaml"))
@@ -237,3 +238,19 @@ def test_plan_command_table_and_errors():
 def test_planner_imports_no_torch():
     code = "import sys, megatron_rl.planner; assert 'torch' not in sys.modules, 'planner imported torch'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=ROOT).returncode == 0
+
+
+def test_checked_model_names_an_unknown_family_a_contradicted_one_and_a_layout_that_does_not_divide():
+    """What `megatron-rl train` checks before anything starts (`launcher.prepare_run`), as `plan` does."""
+    cfg = load_config("configs/quickstart.yaml", [])
+    tiny = get_family("qwen3_moe").tiny_hf_config(TINY_VOCAB)
+    assert checked_model(cfg, tiny).num_experts == 8
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    with pytest.raises(PlanError, match=r"^m/config.json: unknown architecture \['LlamaForCausalLM'\] / model_type"):
+        checked_model(cfg, llama, "m/config.json")
+    mixtral = load_config("configs/quickstart.yaml", ["model.family=mixtral"])
+    with pytest.raises(PlanError, match=r"^model.family=mixtral, but m/config.json holds a qwen3_moe model$"):
+        checked_model(mixtral, tiny, "m/config.json")
+    ep3 = load_config("configs/quickstart.yaml", ["trainer.parallel.ep=3"])
+    with pytest.raises(PlanError, match=r"^trainer.parallel.ep=3: the model's experts \(8\) is not divisible by 3$"):
+        checked_model(ep3, tiny)
