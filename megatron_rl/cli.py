@@ -28,9 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments. A command's overrides may also follow its flags (`train c.yaml --overwrite
+    steps=5`): argparse leaves those over, and they join the overrides given before the flags."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides = [*(args.overrides or []), *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `megatron-rl` console script."""
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if not getattr(args, "ray_address", None):
         prefer_loopback_ray()  # a local Ray on loopback only: set before anything imports ray
     try:

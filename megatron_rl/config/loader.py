@@ -17,6 +17,37 @@ class ConfigError(UserError, ValueError):
     """A config file or override that does not fit the schema; the message names every problem."""
 
 
+class _RepeatedKey(yaml.YAMLError):
+    """A mapping that gives one key twice; the message says where, in one line."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently; a
+    merge key's entries may still be overridden)."""
+
+    def construct_mapping(self, node, deep=False):
+        """The mapping, once no key of its own appears twice."""
+        first: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool):
+                continue  # unhashable keys: PyYAML's own error
+            if key in first:
+                at, before = key_node.start_mark, first[key]
+                raise _RepeatedKey(
+                    f"line {at.line + 1}, column {at.column + 1}: the key {key!r} is given twice (first at line "
+                    f"{before.line + 1})"
+                )
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split `a.b.c=value` into (['a','b','c'], value parsed as YAML)."""
     if "=" not in text:
@@ -26,7 +57,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}': empty key part")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override '{text}': value is not valid YAML ({err})") from None
     return key.split("."), value
@@ -91,13 +122,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         source = str(path)
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = _load_yaml(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML ({err})") from None
         except (OSError, UnicodeDecodeError) as err:
             raise ConfigError(f"{path}: cannot read the config file ({err})") from None
+        if loaded is None:
+            raise ConfigError(f"{path}: the file holds no settings (for the defaults, name no config file)")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded or {}

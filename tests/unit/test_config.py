@@ -169,3 +169,34 @@ def test_wandb_project_needs_wandb_installed_when_the_config_loads(monkeypatch):
         load_config(None, ["wandb_project=my-project"])
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a))
     assert load_config(None, ["wandb_project=my-project"]).wandb_project == "my-project"
+
+
+def test_overrides_may_follow_a_commands_flags_and_anything_else_left_over_is_refused():
+    """`train c.yaml --overwrite steps=5` was refused ("unrecognized arguments: steps=5")."""
+    from megatron_rl.cli import parse  # as above: the commands' imports are the CLI's, not the config's
+
+    args = parse(["train", "configs/quickstart.yaml", "steps=4", "--overwrite", "trainer.parallel.ep=1"])
+    assert args.overwrite and args.overrides == ["steps=4", "trainer.parallel.ep=1"]
+    assert parse(["config", "configs/quickstart.yaml", "--explain", "steps=3"]).overrides == ["steps=3"]
+    for stray in (["--bogus"], ["--overwrite", "stray"]):
+        with pytest.raises(SystemExit):
+            parse(["train", "configs/quickstart.yaml", *stray])
+
+
+def test_a_key_given_twice_and_a_file_without_settings_are_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys silently, and an empty file loaded as all the defaults."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("steps: 5\ntrainer:\n  optimizer: {lr: 1.0e-4}\nsteps: 6\n")
+    message = r"twice.yaml: not valid YAML \(line 4, column 1: the key 'steps' is given twice \(first at line 1\)\)$"
+    with pytest.raises(ConfigError, match=message):
+        load_config(twice)
+    with pytest.raises(ConfigError, match=r"column 14: the key 'lr' is given twice \(first at line 1\)"):
+        load_config(None, ["trainer.optimizer={lr: 1.0e-4, lr: 2.0e-4}"])
+    for name, text in (("empty.yaml", ""), ("comment.yaml", "# steps: 5\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=f"{name}: the file holds no settings"):
+            load_config(tmp_path / name)
+    merged = tmp_path / "merged.yaml"  # a merge key's entries may be overridden: not a repeat
+    merged.write_text("base: &b {lr: 1.0e-4, clip_grad: 1.0}\ntrainer:\n  optimizer: {<<: *b, lr: 2.0e-4}\n")
+    with pytest.raises(ConfigError, match="base: unknown field"):  # the merge loaded; only `base` is unknown
+        load_config(merged)

@@ -13,6 +13,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from megatron_rl.config import TaskConfig
@@ -235,6 +236,10 @@ async def async_sleeps(response, answer, sample):
     await asyncio.sleep(5)
 
 
+def returns_array(response, answer, sample):
+    return np.array([0.5, 0.2])  # it ended the run (a ValueError from `.item()` outside the guarded call)
+
+
 def returns_text(response, answer, sample):
     return "1.0"
 
@@ -345,6 +350,10 @@ def test_async_rewards_are_awaited_by_both_runners():
         ("async_exits", "reward 'async_exits' raised SystemExit: bye (prompt trl.jsonl:0)"),
         ("raises", "reward 'raises' raised ZeroDivisionError: boom (prompt trl.jsonl:0)"),
         ("returns_text", "reward 'returns_text' returned '1.0' (prompt trl.jsonl:0)"),
+        (
+            "returns_array",
+            "reward 'returns_array' returned an array of shape (2,), not one number (prompt trl.jsonl:0)",
+        ),
         ("wrong_length", "reward 'wrong_length' returned 1 values for 2 responses"),
     ],
 )

@@ -145,6 +145,9 @@ def outcome(value: Any) -> tuple[float | None, dict, str | None]:
     if value is None:
         return None, extras, None
     if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        count = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", 1)  # torch, numpy
+        if count != 1:
+            return None, extras, f"returned an array of shape {tuple(getattr(value, 'shape', ()))}, not one number"
         value = value.item()
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
         return float(value), extras, None
