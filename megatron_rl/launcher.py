@@ -81,6 +81,12 @@ def check_learns(cfg: RunConfig) -> None:
         )
 
 
+def skipped_rows_notice(task) -> str | None:
+    """The console's line on the dataset rows the task skipped (too long, no prompt, ...), else None: they were
+    said only in summary.json, which a failed run never writes."""
+    return f"dataset rows skipped: {task.skip_summary()}" if getattr(task, "skipped_log", None) else None
+
+
 def engine_specs(cfg: RunConfig, hf_path: str) -> list:
     """One EngineSpec per configured engine."""
     r = cfg.rollout
@@ -166,6 +172,7 @@ async def _drive(driver, supervisor, job, poll_s: float = 0.5, on_poll=None) -> 
     trainer still runs stops the trainer. Once the trainer has ended, its own outcome (`job.check()`) is what
     counts, so generation is cancelled rather than waited for."""
     tasks = [asyncio.create_task(driver.run()), asyncio.create_task(supervisor.run())]
+    raised = None  # the task whose error this raises: not logged again as it stops
     try:
         trainer_done = False
         while not (trainer_done := await job.finished()) and not any(t.done() for t in tasks):
@@ -175,10 +182,10 @@ async def _drive(driver, supervisor, job, poll_s: float = 0.5, on_poll=None) -> 
         failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
         if failed is not None and not trainer_done:
             job.stop()
-            err = failed.exception()
+            raised, err = failed, failed.exception()
             raise GenerationError(f"generation failed: {type(err).__name__}: {err}") from err
     finally:
-        await _stop_generation(driver, supervisor, tasks)
+        await _stop_generation(driver, supervisor, [t for t in tasks if t is not raised])
 
 
 async def _stop_generation(driver, supervisor, tasks: list[asyncio.Task]) -> None:
@@ -247,6 +254,8 @@ def run_training(
         f"{cfg.rollout.num_engines} engine(s); logs in {log_dir}"
         + (f" (this process: {launcher_log})" if launcher_log else "")
     )
+    if (notice := skipped_rows_notice(task)) is not None:
+        console.say(notice)
     buffer = start_buffer(cfg, task, run_state)
     pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
     teachers = EnginePool(teacher_specs(cfg), cpus_per_engine=0.5) if cfg.distill.enabled else None

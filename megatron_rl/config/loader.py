@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +80,14 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
 def _model_at(path: tuple, root: type[BaseModel] = RunConfig) -> type[BaseModel] | None:
     model = root
     for part in path:
-        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if isinstance(part, int):
+            continue  # an index into a list of sections: the list's field gave the element's model
+        annotation = getattr(model.model_fields.get(str(part)), "annotation", None)
+        inner = [a for a in typing.get_args(annotation) or (annotation,) if isinstance(a, type)]
+        sections = [a for a in inner if issubclass(a, BaseModel)]  # `Section`, `list[Section]`, `Section | None`
+        if not sections:
             return None
-        model = annotation
+        model = sections[0]
     return model
 
 

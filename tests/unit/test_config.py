@@ -200,3 +200,14 @@ def test_a_key_given_twice_and_a_file_without_settings_are_refused(tmp_path):
     merged.write_text("base: &b {lr: 1.0e-4, clip_grad: 1.0}\ntrainer:\n  optimizer: {<<: *b, lr: 2.0e-4}\n")
     with pytest.raises(ConfigError, match="base: unknown field"):  # the merge loaded; only `base` is unknown
         load_config(merged)
+
+
+def test_an_unknown_field_in_a_list_of_sections_names_the_sections_fields():
+    """The known fields were an empty list inside `task.rewards` / `task.datasets` entries."""
+    with pytest.raises(ConfigError, match=r"task.rewards.0.fun: unknown field; did you mean 'task.rewards.0.fn'\? "
+                       r"\(known: fn, name, weight\)"):  # fmt: skip
+        load_config("configs/quickstart.yaml", ["task.rewards=[{fun: math}]"])
+    with pytest.raises(
+        ConfigError, match=r"task.datasets.0.wieght: unknown field; did you mean 'task.datasets.0.weight'"
+    ):
+        load_config("configs/quickstart.yaml", ["task.datasets=[{path: a.jsonl, wieght: 2}]"])

@@ -146,6 +146,10 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer, fmt):
     assert {p["answer"] for p in epoch0} == {"2", "10"}
     assert task.score("so \\boxed{10}", "10") == 1.0
     assert task.report()["datasets"] == [{"path": str(path), "rows": 6, "usable": 2, "skipped": dict(task.skipped)}]
+    from megatron_rl.launcher import skipped_rows_notice  # the launcher's imports (Ray) are not the data layer's
+
+    assert skipped_rows_notice(task) == f"dataset rows skipped: {task.skip_summary()}"  # said on the console
+    assert skipped_rows_notice(make_task(TaskConfig(name="count"), tokenizer)) is None
 
 
 def test_no_answer_key_means_rows_without_one(tokenizer):

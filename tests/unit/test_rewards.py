@@ -491,6 +491,7 @@ def test_load_reward_by_name_dotted_path_and_file(tmp_path):
         ("tests.unit.test_rewards:RECEIVED", r"'RECEIVED' is a list, not a function"),
         ("justaname", r"expected a built-in name \(math, math_basic\)"),
         ("missing_file.py:f", r"file 'missing_file.py' does not exist"),
+        ("my_rewards.py", r"reward 'my_rewards.py': name the function in the file too, as 'my_rewards.py:function'"),
     ],
 )
 def test_load_reward_errors(path, error):

@@ -267,11 +267,13 @@ def test_a_generation_error_after_the_trainer_ended_leaves_the_verdict_to_the_tr
     assert supervisor.cancelled and not trainer.stopped
 
 
-def test_a_generation_error_while_the_trainer_runs_stops_it():
+def test_a_generation_error_while_the_trainer_runs_stops_it(caplog):
     driver, supervisor, trainer = Stoppable(RuntimeError("engine gone")), Stoppable(), FakeTrainer(10**9)
-    with pytest.raises(GenerationError, match="generation failed: RuntimeError: engine gone"):
+    failed = pytest.raises(GenerationError, match="generation failed: RuntimeError: engine gone")
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.launcher"), failed:
         asyncio.run(launcher._drive(driver, supervisor, trainer, poll_s=0.01))
     assert trainer.stopped and supervisor.cancelled
+    assert "engine gone" not in caplog.text  # raised, not also logged as ending "after the trainer's end"
 
 
 def _with_checkpoint(save_dir) -> None:

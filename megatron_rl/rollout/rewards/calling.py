@@ -167,6 +167,8 @@ def load_reward(path: str) -> Callable:
     `path/to/file.py:function`."""
     if path in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[path]
+    if path.endswith(".py"):  # else read as module `….py`'s attribute `py`: a confusing import error
+        raise TaskError(f"reward {path!r}: name the function in the file too, as '{path}:function'")
     if ":" in path:
         module_name, _, attr = path.rpartition(":")
     else:
