@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from megatron_rl.errors import UserError
+from megatron_rl.errors import UserError, error_line
 from megatron_rl.rollout.burst import CallBatcher
 from megatron_rl.rollout.control import CALL_TIMEOUT_S
 from megatron_rl.rollout.engine import GenerationRequest
@@ -360,13 +360,6 @@ class GenerationDriver:
         for sample, reward in zip(samples, rewards):
             sample.reward = reward
         return Group(index, samples)
-
-
-def error_line(err: BaseException, limit: int = 200) -> str:
-    """`Type: first line of the message` (at most `limit` characters of it): enough to say why, fit for a log."""
-    lines = str(err).strip().splitlines()
-    first = lines[0][:limit] if lines else ""
-    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 async def ask_health(actor, timeout_s: float) -> tuple[dict, str | None]:

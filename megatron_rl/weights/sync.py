@@ -13,7 +13,7 @@ import time
 import ray
 import torch.distributed as dist
 
-from megatron_rl.errors import UserError
+from megatron_rl.errors import UserError, error_line
 from megatron_rl.trainer.setup import TrainerRank
 from megatron_rl.weights.lora_sync import adapter_tensors, gather_adapter_specs
 from megatron_rl.weights.owners import PLACEMENT_KEY, Placement, PlacementError, expert_receivers, hosted_summary
@@ -70,7 +70,7 @@ def ray_get_named(futures: dict[str, object], timeout_s: float, what: str) -> di
         except ray.exceptions.RayActorError as err:
             failures.append(f"{name}: engine actor died ({type(err).__name__})")
         except Exception as err:  # the engine raised: keep its own message, which names it
-            failures.append(f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+            failures.append(f"{name}: {error_line(err, 300)}")
     if failures:
         raise SyncError(f"{what} failed for {len(failures)} engine(s): " + "; ".join(failures))
     return results

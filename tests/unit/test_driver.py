@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+import ray
 
 from megatron_rl.config import TaskConfig, load_config
 from megatron_rl.rollout import driver as driver_module
@@ -207,6 +208,10 @@ def test_error_line_is_the_type_and_the_first_line_of_the_message():
     assert error_line(ValueError("first\nsecond")) == "ValueError: first"
     assert error_line(RuntimeError("")) == "RuntimeError"  # the old code failed here (IndexError)
     assert error_line(ValueError("x" * 300), limit=5) == "ValueError: xxxxx"
+    # Raised in an actor: Ray's first line names only the call and the process (`starting vLLM failed for 1
+    # engine(s): engine-0: RayTaskError(ValueError): ray::VLLMEngine.start() (pid=5753, ...)`); the cause says why.
+    remote = ray.exceptions.RayTaskError("VLLMEngine.start", "Traceback ...", ValueError("no such model\nmore"))
+    assert error_line(remote.as_instanceof_cause()) == "ValueError: no such model"
 
 
 class SilentBuffer:
