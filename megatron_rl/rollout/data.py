@@ -215,10 +215,32 @@ def _read_hf(datasets, spec: DatasetConfig):
             "is then used offline, HF_DATASETS_OFFLINE=1 skips the Hub) or use a local file"
         ) from None
     except Exception as err:  # not found, gated, unknown split or subset...: datasets says which
-        raise TaskError(f"{where}: cannot load it: {type(err).__name__}: {one_line(err)}") from None
+        raise TaskError(f"{where}: cannot load it: {_folder_problem(folder) or _error_and_cause(err)}") from None
     if len(rows) == 0:
         raise TaskError(f"{where}: no rows in split {spec.split!r}")
     return rows
+
+
+def _folder_problem(folder: Path) -> str | None:
+    """Where the first broken jsonl file of a local folder of data files goes wrong (datasets says only "An error
+    occurred while generating the dataset"), else None."""
+    if not folder.is_dir():
+        return None
+    for path in sorted(folder.rglob("*.jsonl")):
+        try:
+            check_jsonl_text(str(path))
+            problem = diagnose_jsonl(str(path))
+        except TaskError as err:
+            return str(err)
+        if problem:
+            return problem
+    return None
+
+
+def _error_and_cause(err: BaseException) -> str:
+    cause = _cause(err)
+    head = f"{type(err).__name__}: {one_line(err)}"
+    return head if cause == one_line(err) else f"{head} ({cause})"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -389,3 +389,14 @@ def test_the_configs_of_docs_data_md_load_and_score(tmp_path, tokenizer, monkeyp
         _, record = PromptStream(task).next()
         assert task.score(f"so \\boxed{{{record['answer']}}}", record["answer"], record=record) > 0.9, cfg
         assert len(make_eval_prompts(cfg, tokenizer)) == (8 if cfg.eval_datasets else 0)
+
+
+def test_a_folder_of_data_files_with_a_broken_jsonl_names_the_file_and_line(tmp_path, tokenizer):
+    """datasets said only "DatasetGenerationError: An error occurred while generating the dataset"."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    (folder / "b.jsonl").write_text('{"prompt": "What is 2 + 2?", "answer": "4"}\n{"prompt": "3 + 3", "ans\n')
+    where = f"dataset '{folder}': cannot load it: {folder / 'b.jsonl'} line 2 \\(row 1\\), column 25: not valid JSON"
+    with pytest.raises(TaskError, match=where):
+        make_task(TaskConfig(name="dataset", path=str(folder)), tokenizer)
