@@ -239,7 +239,28 @@ def check_tensor_names(ckpt: HFCheckpoint, expected: Iterable[str], ignore_suffi
             )
         if extra:
             parts.append(f"{len(extra)} unexpected tensor(s): {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+            if any(n.endswith(QUANTIZATION_SUFFIXES) for n in extra):
+                parts.append(DEQUANTIZE)
         raise CheckpointError(f"{ckpt.folder}: " + "; ".join(parts))
+
+
+QUANTIZATION_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", ".qweight", ".scales", ".qzeros")
+"""Names of the extra tensors a quantized checkpoint (FP8 block scales, GPTQ / AWQ) holds beside its weights."""
+DEQUANTIZE = "a quantized checkpoint: dequantize it to bfloat16 or float32 first"
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+"""What a weight may be stored as: others (FP8, integers) would be cast, silently changing the values."""
+
+
+def check_weight_dtypes(ckpt: HFCheckpoint, names: Iterable[str]) -> None:
+    """Raise a CheckpointError naming the first weight stored in a dtype other than `WEIGHT_DTYPES` (read from the
+    file headers only)."""
+    for name in names:
+        dtype = ckpt.dtype_of(name)
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"{ckpt.folder}: tensor {name} is stored as {dtype}, not {' / '.join(WEIGHT_DTYPES)}"
+                + (f"; {DEQUANTIZE}" if "8" in dtype or dtype.startswith(("int", "uint")) else "")
+            )
 
 
 CHECKPOINT_MARKERS = ("config.json", "megatron_rl.json", "model.safetensors.index.json")

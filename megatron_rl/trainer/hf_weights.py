@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from megatron_rl.models import ModelArch, ModelFamily, ParamRule, sharding
 from megatron_rl.models.base import CheckpointError
-from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_tensor_names
+from megatron_rl.models.hf_checkpoint import HFCheckpoint, check_tensor_names, check_weight_dtypes
 from megatron_rl.models.naming import canonical_name
 from megatron_rl.parallel.groups import ParallelContext
 
@@ -112,8 +112,11 @@ def read_direct(ckpt: HFCheckpoint, rule: ParamRule, target: torch.Tensor, ctx: 
 
 
 def check_checkpoint_names(ckpt: HFCheckpoint, table: dict[str, ParamRule]) -> None:
-    """Raise a CheckpointError naming the tensors the parameter map expects but the checkpoint lacks, or extras."""
-    check_tensor_names(ckpt, (n for r in table.values() for n in r.hf), IGNORED_HF_SUFFIXES)
+    """Raise a CheckpointError naming the tensors the parameter map expects but the checkpoint lacks, or extras,
+    or a weight stored in a dtype that would be cast (FP8, integers)."""
+    expected = [n for r in table.values() for n in r.hf]
+    check_tensor_names(ckpt, expected, IGNORED_HF_SUFFIXES)
+    check_weight_dtypes(ckpt, expected)
 
 
 def load_hf_into_model(

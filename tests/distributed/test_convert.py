@@ -102,8 +102,27 @@ def _corrupt_copy(src: str, dst: Path, edit) -> Path:
             lambda t: t.__setitem__("model.layers.0.extra.weight", torch.ones(2)),
             "1 unexpected tensor\\(s\\): model.layers.0.extra.weight",
         ),
+        (  # an FP8 checkpoint's block scales beside its weights
+            lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.weight_scale_inv", torch.ones(1, 1)),
+            "unexpected tensor\\(s\\): model.layers.0.self_attn.q_proj.weight_scale_inv; a quantized checkpoint: "
+            "dequantize it to bfloat16 or float32 first",
+        ),
+        (  # it was cast and converted without a word (values changed)
+            lambda t: t.__setitem__(
+                "model.layers.0.self_attn.q_proj.weight", t["model.layers.0.self_attn.q_proj.weight"].to(torch.int32)
+            ),
+            "tensor model.layers.0.self_attn.q_proj.weight is stored as int32, not float32 / bfloat16 / float16 / "
+            "float64; a quantized checkpoint",
+        ),
+        (
+            lambda t: t.__setitem__(
+                "model.layers.0.self_attn.q_proj.weight",
+                t["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e4m3fn),
+            ),
+            "tensor model.layers.0.self_attn.q_proj.weight is stored as f8_e4m3",
+        ),
     ],
-    ids=["missing", "extra"],
+    ids=["missing", "extra", "fp8-scales", "int32", "fp8"],
 )
 def test_bad_tensor_names_fail_before_launch(edit, message, tiny_dir, tmp_path):
     bad = _corrupt_copy(tiny_dir("qwen3_moe"), tmp_path / "bad", edit)
