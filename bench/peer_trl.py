@@ -61,6 +61,8 @@ BENCH = Path(__file__).resolve().parent
 TRL_VENV = BENCH / ".venv-trl"
 TRL_SCRIPT = BENCH / "peer_trl_trl.py"
 QUICKSTART = BENCH.parent / "configs" / "quickstart.yaml"
+TRL_RUN_TIMEOUT_S = 3600
+"""Longest one seed's TRL run may take (minutes here): past it the benchmark fails rather than hangs."""
 THRESHOLDS = (0.5, 0.9)
 WINDOW = 10  # steps of the trailing mean reward
 LAST_S = 60.0  # "reward over the last minute"
@@ -80,14 +82,14 @@ def ensure_trl_venv() -> Path:
     """The TRL venv's python, made on first use: the local CPU torch first (a bare torch would pull CUDA)."""
     python = TRL_VENV / "bin" / "python"
     probe = [str(python), "-c", "import trl, torch; assert trl.__version__ == '1.16.0', trl.__version__"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+    if python.exists() and subprocess.run(probe, capture_output=True, timeout=300).returncode == 0:
         return python
     say(f"making {TRL_VENV} (torch 2.13.0 CPU, trl 1.16.0)")
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True, timeout=300)
     pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "torch==2.13.0"], check=True, stdout=sys.stderr)
-    subprocess.run([*pip, "trl==1.16.0"], check=True, stdout=sys.stderr)
-    subprocess.run(probe, check=True)
+    subprocess.run([*pip, "torch==2.13.0"], check=True, stdout=sys.stderr, timeout=1800)
+    subprocess.run([*pip, "trl==1.16.0"], check=True, stdout=sys.stderr, timeout=1800)
+    subprocess.run(probe, check=True, timeout=300)
     return python
 
 
@@ -153,7 +155,7 @@ def run_trl(python: Path, model: Path, seed: int, steps: int, root: Path, micro:
     say(f"TRL seed {seed}: {steps} steps in {work}")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     cmd = [str(python), str(TRL_SCRIPT), str(work / "spec.json"), str(work / "log.json")]
-    subprocess.run(cmd, check=True, stdout=sys.stderr, env=env, cwd=str(work))
+    subprocess.run(cmd, check=True, stdout=sys.stderr, env=env, cwd=str(work), timeout=TRL_RUN_TIMEOUT_S)
     log = json.loads((work / "log.json").read_text())
     per_update = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"] // micro
     rows = [{"step": x["step"], "t": x["wall_s"], "reward": x["reward"], "tokens": x["tokens"],
