@@ -157,7 +157,10 @@ def checked_model(cfg: RunConfig, hf_config: dict, source: str = "config.json") 
     except CheckpointError as err:  # it names the source
         raise PlanError(str(err)) from None
     if cfg.model.family and cfg.model.family != family.name:
-        raise PlanError(f"model.family={cfg.model.family}, but {source} holds a {family.name} model")
+        raise PlanError(
+            f"model.family={cfg.model.family}, but {source} holds a {family.name} model (set model.family={family.name},"
+            " or null to take it from config.json)"
+        )
     try:
         check_layout_fits_model(_layout(cfg), arch)
     except LayoutError as err:

@@ -432,26 +432,23 @@ class VLLMEngine:
     ) -> dict:
         """Receive one whole update from the trainer's senders and load it in place, then report.
 
-        The version advances only when every worker loaded every bucket within `timeout_s` (+ `UPDATE_GRACE_S`);
-        otherwise the engine is marked inconsistent (it refuses to generate) and the error names it. Generation
-        resumes either way, so the requests waiting for it fail with that error instead of waiting for ever. Each
-        await is bounded: vLLM's utility calls have no deadline of their own (0.32: an in-process engine core
-        ignores `collective_rpc`'s timeout), and an update stuck in one held the lock and left the engine
-        reporting itself healthy.
+        The version advances only when every worker loaded every bucket within `timeout_s` (+ `UPDATE_GRACE_S`:
+        vLLM's utility calls have no deadline of their own); otherwise the engine is inconsistent (it refuses to
+        generate), stuck when vLLM did not answer (`_fail_update`), and the error names it. Generation resumes
+        either way, so the requests waiting for it fail with that error. (An in-process core runs the workers'
+        RPC on this loop: a worker stuck there silences the actor, taken for hung after rollout.hang_timeout_s.)
         """
         async with self._update_lock:
             start = time.perf_counter()
             self._resume_wait_s = timeout_s + RESUME_WAIT_MARGIN_S
+            limit = asyncio.timeout(timeout_s + UPDATE_GRACE_S)
             try:
-                results = await asyncio.wait_for(
-                    self._load_update(version, plan_json, inflight, timeout_s), timeout_s + UPDATE_GRACE_S
-                )
+                async with limit:
+                    results = await self._load_update(version, plan_json, inflight, timeout_s)
             except BaseException as err:
-                self._fail_update(version, err, timeout_s + UPDATE_GRACE_S)
-                # Release the paused requests (they see the inconsistency and fail); vLLM may be failing too, but
-                # the update's error is the one to report.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.resume(), self.spec.rpc_timeout_s)
+                expired = f"it did not finish within {timeout_s + UPDATE_GRACE_S:g} s" if limit.expired() else None
+                self._fail_update(version, err, expired)
+                await self._resume_after_failure(version)  # the paused requests see the inconsistency and fail
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
             self.version = version
             self.consistent = True
@@ -459,7 +456,7 @@ class VLLMEngine:
             try:
                 await asyncio.wait_for(self.resume(), self.spec.rpc_timeout_s)
             except asyncio.TimeoutError as err:  # the weights are in, but the engine cannot generate
-                self._fail_update(version, err, self.spec.rpc_timeout_s, what="its resume")
+                self._fail_update(version, err, f"its resume did not finish within {self.spec.rpc_timeout_s:g} s")
                 raise EngineError(f"engine {self.spec.name}: {self.inconsistency}") from err
             return {
                 "engine": self.spec.name,
@@ -481,17 +478,31 @@ class VLLMEngine:
             await _labelled(self._llm, version, self.spec.rpc_timeout_s)
         return results
 
-    def _fail_update(self, version: int, err: BaseException, timeout_s: float, what: str = "it") -> None:
-        """Mark the engine inconsistent after update `version` failed with `err`; stuck when it timed out (vLLM
-        did not answer: only a restart mends that, and a push waits for one)."""
+    def _fail_update(self, version: int, err: BaseException, expired: str | None = None) -> None:
+        """Mark the engine inconsistent after update `version` failed with `err` (`expired`: which deadline
+        passed); stuck on any timeout, since vLLM did not answer: only a restart mends that, and a push waits
+        for one."""
+        if expired is None and isinstance(err, asyncio.TimeoutError):
+            expired = "a call to vLLM within it did not answer in time"
+        why = expired or f"{type(err).__name__}: {err}"
         if isinstance(err, asyncio.TimeoutError):
-            why = f"{what} did not finish within {timeout_s:g} s"
             self.stuck = f"vLLM did not answer: update to version {version} failed: {why}"
-        else:
-            why = f"{type(err).__name__}: {err}"
         self.consistent = False
         self.inconsistency = f"update to version {version} failed: {why}"
         self._failures.append(self.inconsistency)
+
+    async def _resume_after_failure(self, version: int) -> None:
+        """Resume after a failed update; a resume vLLM does not answer marks the engine stuck. Never raises: the
+        update's own error is the one to report."""
+        try:
+            await asyncio.wait_for(self.resume(), self.spec.rpc_timeout_s)
+        except asyncio.TimeoutError:
+            self.stuck = self.stuck or (
+                f"vLLM did not answer: resuming after the failed update to version {version} took over "
+                f"{self.spec.rpc_timeout_s:g} s"
+            )
+        except Exception:  # vLLM may be failing too
+            pass
 
     def _versions_of(self, sub_id: str, spans, count: int) -> list[int]:
         """Each token's weight version from vLLM's spans for one segment; EngineError when they do not cover it."""

@@ -93,7 +93,8 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
         ),
         "family": (
             [*verl, "task.answer_key=reward_model.ground_truth", "model.family=mixtral"],
-            f"model.family=mixtral, but {tmp_path / 'tiny' / 'config.json'} holds a qwen3_moe model",
+            f"model.family=mixtral, but {tmp_path / 'tiny' / 'config.json'} holds a qwen3_moe model (set "
+            "model.family=qwen3_moe, or null to take it from config.json)",
         ),
         "layout": (
             [*verl, "task.answer_key=reward_model.ground_truth", "trainer.parallel.ep=3"],

@@ -150,6 +150,49 @@ def test_a_failed_update_that_vllm_answered_leaves_the_engine_alive():
     asyncio.run(scenario())
 
 
+def test_a_resume_vllm_never_answers_after_a_failed_update_marks_the_engine_stuck():
+    """The failed update's error is the one raised; the resume's silence makes the engine dead to the supervisor
+    at once, not one update later."""
+
+    class SilentResume(StandInLLM):
+        async def resume_generation(self) -> None:
+            await asyncio.Event().wait()
+
+    async def scenario():
+        llm = SilentResume(update_error=RuntimeError("bucket 3: receive timed out"))
+        llm.check_health = lambda: asyncio.sleep(0)
+        llm.release.set()
+        engine = _engine(llm)
+        engine.spec = dataclasses.replace(engine.spec, rpc_timeout_s=0.2)
+        with pytest.raises(EngineError, match=r"update to version 1 failed: RuntimeError: bucket 3"):
+            await asyncio.wait_for(engine.update_weights(1, "{}", "keep", timeout_s=5.0), 5)
+        health = await engine.health()
+        assert (
+            not health["alive"] and "resuming after the failed update to version 1 took over 0.2 s" in health["stuck"]
+        )
+        assert not engine._update_lock.locked() and engine._resumed.is_set()
+
+    asyncio.run(scenario())
+
+
+def test_a_call_within_the_update_that_vllm_never_answers_is_named_as_such():
+    """An inner deadline (here the version label's, `rpc_timeout_s`) is not the update's own timeout."""
+
+    async def scenario():
+        llm = StandInLLM()
+        llm.check_health = lambda: asyncio.sleep(0)
+        llm.release.set()
+        engine = _engine(llm)
+        engine.spec = dataclasses.replace(engine.spec, rpc_timeout_s=0.2)
+        engine._native_versions = True
+        llm.update_weight_version = lambda *args, **kwargs: asyncio.Event().wait()
+        with pytest.raises(EngineError, match=r"failed: a call to vLLM within it did not answer in time"):
+            await asyncio.wait_for(engine.update_weights(1, "{}", "keep", timeout_s=30.0), 5)
+        assert (await engine.health())["stuck"].startswith("vLLM did not answer: update to version 1 failed: a call")
+
+    asyncio.run(scenario())
+
+
 class NativeRoutesLLM(StandInLLM):
     """A GPU engine's AsyncLLM with vLLM's own routed-experts output: each finished segment carries its rows
     (positions 0 .. end - 2 of its prompt + tokens), and a prefix cache that a frozen request blocks."""

@@ -393,6 +393,32 @@ def test_calls_queued_past_their_time_are_skipped_not_run():
     runner.shutdown()
 
 
+def test_cancelled_calls_not_yet_started_never_run_and_a_closed_loop_costs_no_thread():
+    """A stopping driver cancels its reward calls: the queued ones are dropped, not run one by one afterwards; a
+    call whose loop closed under it leaves its thread serving the next loop; after shutdown calls fail at once."""
+    runner = RewardRunner(timeout_s=5, workers=1)
+    spec = describe(records_and_sleeps, "records_and_sleeps")
+    RECEIVED.clear()
+
+    async def cancel(count: int, linger_s: float):
+        calls = [asyncio.ensure_future(runner.call(spec, (str(i), "a", None), {})) for i in range(count)]
+        await asyncio.sleep(0.1)  # the first is running on the one thread
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(linger_s)
+
+    asyncio.run(cancel(4, linger_s=1.5))  # the loop lives on: a queued call not dropped would run meanwhile
+    assert RECEIVED == [("records_and_sleeps", "0")]
+    asyncio.run(cancel(1, linger_s=0))  # the loop closes while the call runs
+    time.sleep(1.2)
+    assert [s.reward for s in _score(["ours"], TRL_RECORD, ["12"], runner)] == [1.0]  # the thread still serves
+    runner.shutdown()
+    start = time.monotonic()
+    scored = _score(["ours"], TRL_RECORD, ["12"], runner)
+    assert "reward calls after the runner was shut down" in scored[0].error and time.monotonic() - start < 1
+
+
 def test_a_reward_that_never_returns_does_not_keep_the_process_from_exiting():
     """The interpreter joins a ThreadPoolExecutor's threads at exit: a run whose reward hung never ended (its
     launcher waited for the reward's thread after the summary). The reward threads are daemon threads."""

@@ -11,6 +11,7 @@ reason names the function and the prompt's source (file and row).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import queue
@@ -77,6 +78,7 @@ class DaemonWorkers:
         """Threads written off because their call ran past its time."""
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._closed = False
         for _ in range(count):
             self._start_thread()
 
@@ -86,6 +88,8 @@ class DaemonWorkers:
     def submit(self, fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> tuple[asyncio.Future, _Call]:
         """Queue `_guarded_call(fn, args, kwargs)`, to start within `timeout_s` or not at all; the future (of the
         running loop) gets its result."""
+        if self._closed:
+            raise RuntimeError("reward calls after the runner was shut down")
         loop = asyncio.get_running_loop()
         call = _Call(loop, loop.create_future(), fn, args, kwargs, time.monotonic() + timeout_s)
         self._calls.put(call)
@@ -101,6 +105,12 @@ class DaemonWorkers:
             self.stuck_threads += 1
             self._start_thread()
 
+    def forget(self, call: _Call) -> None:
+        """Drop `call` if it has not started (its caller was cancelled); a running one finishes on its thread."""
+        with self._lock:
+            if call.state == "queued":
+                call.state = "abandoned"
+
     def _work(self) -> None:
         while (call := self._calls.get()) is not None:
             with self._lock:
@@ -113,13 +123,13 @@ class DaemonWorkers:
                 if call.state == "abandoned":
                     return  # written off: a new thread has this one's place
                 call.state = "done"
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for this result
                 call.loop.call_soon_threadsafe(_settle, call.future, result)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits for this result
-                return
 
     def shutdown(self) -> None:
-        """Let the threads end once the calls queued before this ran (stuck ones end when their calls return)."""
+        """Take no more calls; the threads end once the calls queued before this ran (stuck ones end when their
+        calls return)."""
+        self._closed = True
         for _ in range(self.count):
             self._calls.put(None)
 
@@ -150,6 +160,10 @@ class RewardRunner:
                 if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
                     queued = None
                     ok, value = await asyncio.wait_for(_guarded_await(value), self.timeout_s)
+        except asyncio.CancelledError:
+            if queued is not None:  # the driver is stopping: a call not yet started is not started
+                self._threads.forget(queued)
+            raise
         except asyncio.TimeoutError:
             if queued is not None:
                 self._threads.abandon(queued)
@@ -161,7 +175,8 @@ class RewardRunner:
         return value
 
     def shutdown(self) -> None:
-        """Stop taking calls (running ones finish in their threads)."""
+        """Take no more calls (a later one raises RuntimeError); queued and running ones finish on their threads
+        (calls whose callers were cancelled are dropped before they start)."""
         self._threads.shutdown()
 
 
