@@ -23,7 +23,8 @@ from megatron_rl.metrics.console import LOGS_DIR, Console, MetricsFollower, Thir
 from megatron_rl.metrics.evals import EVAL_FILE
 from megatron_rl.metrics.logger import is_step_record, read_metrics
 from megatron_rl.metrics.plots import plot_report, plot_reward_curve
-from megatron_rl.models import read_hf_config
+from megatron_rl.models import get_family, read_hf_config
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import layout_from_config
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
@@ -47,6 +48,7 @@ from megatron_rl.run_state import (
     truncate_metrics,
     write_atomically,
 )
+from megatron_rl.trainer.hf_weights import check_checkpoint_names
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +323,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
     resume_from, run_state = resume_point(cfg)
     check_learns(cfg)
     hf_path = ensure_model(cfg)
-    checked_model(cfg, read_hf_config(hf_path), f"{hf_path}/config.json")  # family and layout, before anything starts
+    arch = checked_model(cfg, read_hf_config(hf_path), f"{hf_path}/config.json")  # before anything starts: family,
+    check_checkpoint_names(HFCheckpoint(hf_path), get_family(arch.family).rule_table(arch))  # layout, tensors, dtypes
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
     tokenizer = load_tokenizer(hf_path)
     if cfg.distill.teacher == "hf":

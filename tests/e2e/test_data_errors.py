@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.models.tiny import make_tiny
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +55,10 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
     template = _file(tmp_path, "chat.jinja", TEMPLATE.encode())
     missing = str(tmp_path / "none.jsonl")
     verl = [f"task.path={VERL}", f"task.chat_template={template}"]
+    broken = make_tiny("qwen3_moe", tmp_path / "broken")
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     cases = {
         "missing": ([f"task.path={missing}"], f"dataset file '{missing}' does not exist"),
         "utf8": (
@@ -95,6 +102,10 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
             [*verl, "task.answer_key=reward_model.ground_truth", "model.family=mixtral"],
             f"model.family=mixtral, but {tmp_path / 'tiny' / 'config.json'} holds a qwen3_moe model (set "
             "model.family=qwen3_moe, or null to take it from config.json)",
+        ),
+        "missing_tensor": (  # found once the engines were up (~35 s)
+            [*verl, "task.answer_key=reward_model.ground_truth", f"model.hf_path={broken}", "model.make_tiny=false"],
+            f"{broken}: 1 missing tensor(s): model.layers.0.self_attn.k_proj.weight",
         ),
         "layout": (
             [*verl, "task.answer_key=reward_model.ground_truth", "trainer.parallel.ep=3"],
