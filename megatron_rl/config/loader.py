@@ -135,9 +135,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: cannot read the config file ({err})") from None
         if loaded is None:
             raise ConfigError(f"{path}: the file holds no settings (for the defaults, name no config file)")
-        if loaded is not None and not isinstance(loaded, dict):
+        if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded or {}
+        data = loaded
     for text in overrides or []:
         keys, value = parse_override(text)
         apply_override(data, keys, value)

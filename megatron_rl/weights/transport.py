@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rl.errors import UserError
+from megatron_rl.errors import UserError, error_line
 from megatron_rl.parallel.patches.torch_distributed import gloo_devices
 
 _PREFIX = "mrl-weights"
@@ -169,10 +169,10 @@ class WeightGroup:
         """A one-element broadcast by every member, under the group's timeout, before any real transfer.
 
         NCCL builds its communicator at a group's first collective and blocks there, without a deadline, until
-        every member has posted it: a member that joined and then failed (its placement check, its engine's
-        pause) left the sender stuck in its first bucket, before any `Work` existed to poll. So the first
-        collective runs here, on a daemon thread the caller waits for (on gloo too: one path, and the members
-        that never took part are named the same way)."""
+        every member has posted it: a member that joined and then failed (its process group's construction
+        raised, or it died) left the others stuck in their first transfer, before any `Work` existed to poll. So
+        the first collective runs here, on a daemon thread the caller waits for (on gloo too: one path, and the
+        members that never took part are named the same way); later transfers are polled (`wait`)."""
         prefix.set(f"first/{self.rank}", "1")
         device = torch.device("cuda", torch.cuda.current_device()) if self.spec.backend == "nccl" else "cpu"
         failure: list[BaseException] = []
@@ -190,11 +190,15 @@ class WeightGroup:
         thread.join(self.timeout.total_seconds())
         if thread.is_alive() or failure:
             absent = [name for r, name in enumerate(self.spec.members) if not prefix.check([f"first/{r}"])]
-            why = type(failure[0]).__name__ if failure else "still waiting"
+            how = (
+                f"failed ({error_line(failure[0])})"
+                if failure
+                else f"did not complete within {self.timeout.total_seconds():g} s"
+            )
             self.pg = None
             raise TransportError(
-                f"weight group of sender {self.spec.sender}: joined, but its first transfer did not complete within "
-                f"{self.timeout.total_seconds():.0f} s; not taking part: {', '.join(absent) or 'none'} ({why})"
+                f"weight group of sender {self.spec.sender}: joined, but its first transfer {how}; not taking part: "
+                f"{', '.join(absent) or 'none'}"
             )
 
     def _gloo_options(self):

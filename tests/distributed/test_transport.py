@@ -145,8 +145,8 @@ def _member_that_skips_the_first_transfer(spec: GroupSpec, rank: int, queue) -> 
     raises would): it never posts the first collective."""
     WeightGroup._first_collective = lambda self, prefix: None
     try:
-        WeightGroup(spec, rank, timeout_s=30).connect()
-        queue.put((rank, "formed"))
+        group = WeightGroup(spec, rank, timeout_s=30).connect()  # held: a collected group resets its connections
+        queue.put((rank, "formed" if group.pg is not None else "no group"))
         time.sleep(60)
     except Exception as err:
         queue.put((rank, f"{type(err).__name__}: {err}"))
@@ -167,9 +167,9 @@ def test_a_member_that_joins_but_never_transfers_is_named_within_the_timeout():
             time.sleep(0.2)  # wait until the spawned member has announced itself
         start = time.monotonic()
         with pytest.raises(TransportError, match=r"first transfer did not complete within 4 s; not taking part: "
-                           r"engine-0/worker0 "):  # fmt: skip
+                           r"engine-0/worker0$"):  # fmt: skip
             group.connect()
-        assert time.monotonic() - start < 30 and group.pg is None
+        assert 3.5 < time.monotonic() - start < 30 and group.pg is None  # the deadline, not a reset connection
         assert queue.get(timeout=30) == (1, "formed")  # it did join and form the group
     finally:
         member.kill()
