@@ -189,7 +189,7 @@ class WeightGroup:
         thread.start()
         thread.join(self.timeout.total_seconds())
         if thread.is_alive() or failure:
-            absent = [name for r, name in enumerate(self.spec.members) if not prefix.check([f"first/{r}"])]
+            absent = self.missing_members(prefix, "first")
             how = (
                 f"failed ({error_line(failure[0])})"
                 if failure
@@ -212,10 +212,10 @@ class WeightGroup:
         opts._timeout = self.timeout
         return opts
 
-    def missing_members(self, prefix=None) -> list[str]:
-        """Members that have not announced themselves on the store."""
+    def missing_members(self, prefix=None, step: str = "joined") -> list[str]:
+        """Members that have not announced `step` on the store (`joined`, or `first`: reached the first transfer)."""
         prefix = prefix or self._prefix()
-        return [name for r, name in enumerate(self.spec.members) if not prefix.check([f"joined/{r}"])]
+        return [name for r, name in enumerate(self.spec.members) if not prefix.check([f"{step}/{r}"])]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         """Start a broadcast of `tensor` from group rank `src`; returns the Work to wait on."""
