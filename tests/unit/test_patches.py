@@ -275,6 +275,7 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
             "cpu_communicator_gatherv",
             "small_linears_unpacked",
             "cpu_rms_norm_kernels",
+            "engine_gloo_shared_device",
         ]
         assert out["cpu_share"] < 0.15, out  # waiting no longer takes a core
         assert out["last_pause"] == pytest.approx(VLLM_WAIT_POLL_MAX_S), out  # looks got sparse over 0.3 s
