@@ -98,7 +98,7 @@ def engine_specs(cfg: RunConfig, hf_path: str) -> list:
             data_parallel=r.engine_dp, expert_parallel=r.engine_ep, max_model_len=cfg.model.max_sequence_length,
             gpu_memory_utilization=r.gpu_memory_utilization, cpu_kv_cache_gb=r.cpu_kv_cache_gb,
             seed=cfg.trainer.seed + i, max_num_seqs=max(16, r.max_concurrent_prompts * r.samples_per_prompt),
-            cpu_affinity=list(r.cpu_affinity), capture_routes=cfg.algorithm.routing != "free",
+            cpu_affinity=list(r.cpu_affinity), cpu_batch_scheduling=r.cpu_batch_scheduling, capture_routes=cfg.algorithm.routing != "free",
             max_logprobs=max(20, r.top_k + 1) if cfg.returns_kept_sets else 20,
             lora_rank=cfg.lora.rank if cfg.lora.enabled and cfg.lora.sync == "vllm" else 0,
             enforce_eager=r.enforce_eager,

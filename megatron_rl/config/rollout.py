@@ -52,6 +52,9 @@ class RolloutConfig(Section):
     failure and the prompt is requeued."""
     cpu_affinity: list[int] = Field(default_factory=list)
     """CPU cores the engine processes run on (empty: all)."""
+    cpu_batch_scheduling: bool = True
+    """On a CPU host, run the engines under Linux's SCHED_BATCH policy: their threads' wake-ups do not preempt the
+    trainer's compute (`parallel/scheduling.py`). GPU engines keep the default policy."""
     enforce_eager: bool | None = None
     """Run vLLM eagerly (true) or compiled (false: torch.compile, plus CUDA graphs on GPU). Unset: compiled on GPU,
     eager on CPU (compiling adds 20-30 s to each start; a long CPU run gains from false) and wherever the workers

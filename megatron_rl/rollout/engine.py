@@ -30,7 +30,7 @@ from megatron_rl.rollout.engine_mode import (
     core_in_process,
     cpu_attention_backend,
     eager_mode,
-    engine_env,
+    prepare_engine_process,
 )
 from megatron_rl.rollout.engine_outputs import has_weight_versions, sampled_logprob, span_versions
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
@@ -109,9 +109,7 @@ class VLLMEngine:
     async def start(self) -> dict:
         """Start vLLM; returns its health report."""
         vllm = _vllm()
-        engine_env(self.spec, _on_gpu())
-        if self.spec.cpu_affinity:
-            os.sched_setaffinity(0, set(self.spec.cpu_affinity))  # inherited by vLLM's processes
+        prepare_engine_process(self.spec, _on_gpu())
         try:  # a refused setting is a start error too: `ready` callers get it instead of waiting out a timeout
             self._core_in_process = self._in_process()
             args = dataclasses.replace(self._engine_args(vllm), **self._lora.engine_args())

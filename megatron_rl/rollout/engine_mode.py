@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+from megatron_rl.parallel.scheduling import use_batch_scheduling
 from megatron_rl.weights.engine.worker import EXTENSION
 
 
@@ -41,6 +42,8 @@ class EngineSpec:
     """Most sequences scheduled at once."""
     cpu_affinity: list[int] = dataclasses.field(default_factory=list)
     """CPU cores for the engine and its vLLM processes (empty: all)."""
+    cpu_batch_scheduling: bool = True
+    """On a CPU host, the engine and its vLLM processes under SCHED_BATCH (`rollout.cpu_batch_scheduling`)."""
     worker_extension: str = EXTENSION
     """vLLM worker extension class by qualified name: the production `WeightUpdateExtension`, or a subclass that
     adds RPCs for a test or benchmark (it must be importable in vLLM's worker processes)."""
@@ -115,8 +118,14 @@ def cpu_attention_backend(model_path: str | Path, dtype: str, on_gpu: bool) -> s
     return "CPU_MLA" if uses_mla else None
 
 
-def engine_env(spec, on_gpu: bool) -> None:
-    """The environment vLLM reads at import and start, set (where unset) for the engine of `spec` (an `EngineSpec`)."""
+def prepare_engine_process(spec, on_gpu: bool) -> None:
+    """Ready this process (an engine actor's) for vLLM before it starts, as the engine of `spec` (an `EngineSpec`)
+    asks: the environment vLLM reads at import and start (set where unset), the cores, the scheduling policy; vLLM's
+    threads and processes inherit all three."""
+    if spec.cpu_affinity:
+        os.sched_setaffinity(0, set(spec.cpu_affinity))
+    if spec.cpu_batch_scheduling and not on_gpu:
+        use_batch_scheduling()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

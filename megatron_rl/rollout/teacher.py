@@ -102,7 +102,7 @@ def teacher_specs(cfg: RunConfig) -> list[EngineSpec]:
             cpu_kv_cache_gb=d.cpu_kv_cache_gb, seed=cfg.trainer.seed + 1000 + i, max_logprobs=max(20, d.top_k),
             max_num_seqs=max(16, r.num_engines * r.max_concurrent_prompts * r.samples_per_prompt),
             gpu_memory_utilization=r.gpu_memory_utilization, cpu_affinity=list(r.cpu_affinity),
-            enforce_eager=r.enforce_eager,
+            cpu_batch_scheduling=r.cpu_batch_scheduling, enforce_eager=r.enforce_eager,
             engine_core_in_process=r.engine_core_in_process,
         )
         for i in range(d.num_engines)

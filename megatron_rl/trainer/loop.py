@@ -25,6 +25,7 @@ from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
 from megatron_rl.parallel.groups import destroy_distributed
+from megatron_rl.parallel.scheduling import use_batch_scheduling
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
@@ -386,6 +387,8 @@ def main(spec_path: str) -> None:
     cfg = RunConfig.model_validate(spec["config"])
     if cfg.trainer.cpu_affinity:
         os.sched_setaffinity(0, set(cfg.trainer.cpu_affinity))
+    if cfg.trainer.cpu_batch_scheduling and not torch.cuda.is_available():
+        use_batch_scheduling()  # before the process groups: their threads inherit it
     try:
         run_loop(cfg, spec)
     except BaseException as err:

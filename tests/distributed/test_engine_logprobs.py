@@ -3,6 +3,8 @@ the tempered one, which is what the trainer reproduces at the same temperature."
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 import torch
@@ -26,7 +28,10 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
             for i in range(4)
         ]
         results = ray.get([pool.submit(r, "engine-0") for r in requests], timeout=300)
-        below = psutil.Process(pool.health()[0]["pid"]).children(recursive=True)
+        engine = psutil.Process(pool.health()[0]["pid"])
+        below = engine.children(recursive=True)
+        # Every thread of the engine (Ray's, vLLM's, started before vLLM or by it) under SCHED_BATCH.
+        policies = {os.sched_getscheduler(thread.id) for thread in engine.threads()}
         vllm_processes = sorted(t for t in (" ".join(p.cmdline()).strip() for p in below) if t.startswith("VLLM::"))
     finally:
         pool.shutdown()
@@ -44,5 +49,6 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
     assert vllm_processes == []
     assert health[0]["core_in_process"] is True  # rollout.engine_core_in_process unset: in-process on CPU
     assert health[0]["eager"] is True  # rollout.enforce_eager unset: eager on CPU
+    assert policies == {os.SCHED_BATCH}  # rollout.cpu_batch_scheduling: on by default on CPU
     assert torch.cat(tempered_diffs).max() <= 1e-3
     assert torch.cat(plain_diffs).mean() > 0.05  # vLLM's default (raw) logprobs would have matched these

@@ -47,7 +47,7 @@ def test_compiled_mode_with_hook_capture_is_refused_naming_the_engine_and_settin
 
 def test_a_refused_mode_is_a_start_error_that_ready_reports(monkeypatch):
     monkeypatch.setattr(engine_module, "_vllm", lambda: types.SimpleNamespace(AsyncEngineArgs=dict, AsyncLLM=None))
-    monkeypatch.setattr(engine_module, "engine_env", lambda spec, on_gpu: None)
+    monkeypatch.setattr(engine_module, "prepare_engine_process", lambda spec, on_gpu: None)
     spec = EngineSpec("engine-3", "unused", capture_routes=True, native_routes=False, enforce_eager=False)
     engine = VLLMEngine(spec)
 

@@ -427,7 +427,7 @@ def test_start_labels_the_weights_it_loaded_before_the_engine_takes_requests(mon
 
     stand_in = types.SimpleNamespace(AsyncEngineArgs=engine_args, in_process_async_llm=in_process, token_prompt=list)
     monkeypatch.setattr(engine_module, "_vllm", lambda: stand_in)
-    monkeypatch.setattr(engine_module, "engine_env", lambda spec, on_gpu: None)
+    monkeypatch.setattr(engine_module, "prepare_engine_process", lambda spec, on_gpu: None)
     monkeypatch.setattr(engine_module, "_on_gpu", lambda: False)
     engine = VLLMEngine(EngineSpec(name="e0", model_path="unused"))
     health = asyncio.run(engine.start())
