@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 def use_batch_scheduling() -> int:
     """Put every thread of this process under SCHED_BATCH; threads started later inherit it from the thread that
-    starts them. Returns the number of threads switched: 0 where the platform has no SCHED_BATCH or refuses it
-    (then the process runs on as it was)."""
+    starts them. Returns the number of threads switched: 0 where the platform has no SCHED_BATCH; where it refuses
+    a thread, that thread and the ones not yet switched keep their policy and the run goes on."""
     policy = getattr(os, "SCHED_BATCH", None)
     if policy is None or not os.path.isdir("/proc/self/task"):
         return 0
@@ -30,6 +30,6 @@ def use_batch_scheduling() -> int:
         except ProcessLookupError:  # the thread ended since the listing
             continue
         except OSError as err:  # a seccomp profile or a real-time thread: nothing to gain by failing the run
-            log.warning("cannot run thread %s under SCHED_BATCH (%s): leaving this process's policy as it is", tid, err)
+            log.warning("thread %s refused SCHED_BATCH (%s): it and the threads after it keep their policy", tid, err)
             return switched
     return switched
