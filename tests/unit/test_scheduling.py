@@ -74,3 +74,18 @@ def test_a_cpu_engine_runs_batch_policy_unless_the_config_says_no_or_it_runs_on_
     assert _probe("engine", tmp_path)["policies"] == [os.SCHED_BATCH]
     assert _probe("engine-off", tmp_path)["policies"] == [os.SCHED_OTHER]
     assert _probe("engine-gpu", tmp_path)["policies"] == [os.SCHED_OTHER]
+
+
+def test_a_refused_thread_is_warned_about_and_the_run_goes_on(monkeypatch, caplog):
+    from megatron_rl.parallel import scheduling
+
+    calls = []
+
+    def refuse(tid, policy, param):
+        calls.append(tid)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(scheduling.os, "sched_setscheduler", refuse)
+    with caplog.at_level("WARNING", logger=scheduling.__name__):
+        assert scheduling.use_batch_scheduling() == 0
+    assert len(calls) == 1 and "refused SCHED_BATCH" in caplog.text and "Operation not permitted" in caplog.text
