@@ -98,9 +98,10 @@ class TrainerConfig(Section):
     cpu_affinity: list[int] = Field(default_factory=list)
     """CPU cores the trainer processes run on (empty: all); benchmarks pin trainer and engines apart."""
     cpu_batch_scheduling: bool = True
-    """On a CPU host, run the trainer's ranks under Linux's SCHED_BATCH policy: a thread's wake-up (a collective's
-    other side, an engine's) does not preempt a rank's compute (`parallel/scheduling.py`). Ranks on GPUs keep
-    the default policy."""
+    """On a CPU host, run the trainer's ranks under Linux's SCHED_BATCH policy: their threads' wake-ups (gloo's
+    transfer and work threads, a collective's other side) do not preempt the other rank's or the engines' compute;
+    the engines' wake-ups are `rollout.cpu_batch_scheduling`'s (`parallel/scheduling.py`). Ranks on GPUs keep the
+    default policy."""
 
 
 class CheckpointConfig(Section):

@@ -3,6 +3,7 @@ the tempered one, which is what the trainer reproduces at the same temperature."
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import psutil
@@ -31,7 +32,10 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution(tiny_dir, local
         engine = psutil.Process(pool.health()[0]["pid"])
         below = engine.children(recursive=True)
         # Every thread of the engine (Ray's, vLLM's, started before vLLM or by it) under SCHED_BATCH.
-        policies = {os.sched_getscheduler(thread.id) for thread in engine.threads()}
+        policies = set()
+        for thread in engine.threads():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended since the listing
+                policies.add(os.sched_getscheduler(thread.id))
         vllm_processes = sorted(t for t in (" ".join(p.cmdline()).strip() for p in below) if t.startswith("VLLM::"))
     finally:
         pool.shutdown()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux sc
 
 PROBE = r"""
 import json, os, sys, threading
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # a known start, whatever the test runner's policy
 def policies():
     return sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
 stop = threading.Event()
@@ -76,16 +78,36 @@ def test_a_cpu_engine_runs_batch_policy_unless_the_config_says_no_or_it_runs_on_
     assert _probe("engine-gpu", tmp_path)["policies"] == [os.SCHED_OTHER]
 
 
-def test_a_refused_thread_is_warned_about_and_the_run_goes_on(monkeypatch, caplog):
+def test_a_refused_thread_keeps_its_policy_with_a_warning_and_the_others_are_switched(monkeypatch, caplog):
     from megatron_rl.parallel import scheduling
 
     calls = []
 
-    def refuse(tid, policy, param):
+    def refuse_the_first(tid, policy, param):  # stands in for the kernel: no policy really changes
         calls.append(tid)
-        raise PermissionError(1, "Operation not permitted")
+        if len(calls) == 1:
+            raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(scheduling.os, "sched_setscheduler", refuse)
-    with caplog.at_level("WARNING", logger=scheduling.__name__):
-        assert scheduling.use_batch_scheduling() == 0
-    assert len(calls) == 1 and "refused SCHED_BATCH" in caplog.text and "Operation not permitted" in caplog.text
+    monkeypatch.setattr(scheduling.os, "sched_setscheduler", refuse_the_first)
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait)  # a second thread, so that one is left to switch after the refusal
+    helper.start()
+    try:
+        with caplog.at_level("WARNING", logger=scheduling.__name__):
+            switched = scheduling.use_batch_scheduling()
+    finally:
+        stop.set()
+        helper.join()
+    assert len(calls) >= 2 and switched == len(calls) - 1, calls
+    assert f"thread {calls[0]} refused SCHED_BATCH" in caplog.text and "Operation not permitted" in caplog.text
+
+
+def test_threads_started_while_the_listing_is_walked_are_switched_too(monkeypatch):
+    from megatron_rl.parallel import scheduling
+
+    listings = iter([["11"], ["11", "12"], ["11", "12", "13"]])  # two threads start during the walk
+    last = ["11", "12", "13"]
+    calls = []
+    monkeypatch.setattr(scheduling.os, "listdir", lambda path: next(listings, last))
+    monkeypatch.setattr(scheduling.os, "sched_setscheduler", lambda tid, policy, param: calls.append(tid))
+    assert scheduling.use_batch_scheduling() == 3 and calls == [11, 12, 13]  # each once
