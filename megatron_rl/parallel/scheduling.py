@@ -38,3 +38,12 @@ def use_batch_scheduling() -> int:
             except OSError as err:  # nothing to gain by failing the run: this thread stays as it is
                 log.warning("thread %s refused SCHED_BATCH (%s): it keeps its policy", tid, err)
     return switched
+
+
+def place_process(cores: list[int], batch_scheduling: bool) -> None:
+    """Run this process on `cores` (empty: where it runs now) and, when `batch_scheduling`, under SCHED_BATCH:
+    what a trainer rank or an engine does before its process groups and threads exist (they inherit both)."""
+    if cores:
+        os.sched_setaffinity(0, set(cores))
+    if batch_scheduling:
+        use_batch_scheduling()

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
-from megatron_rl.parallel.scheduling import use_batch_scheduling
+from megatron_rl.parallel.scheduling import place_process
 from megatron_rl.weights.engine.worker import EXTENSION
 
 
@@ -122,10 +122,7 @@ def prepare_engine_process(spec, on_gpu: bool) -> None:
     """Ready this process (an engine actor's) for vLLM before it starts, as the engine of `spec` (an `EngineSpec`)
     asks: the environment vLLM reads at import and start (set where unset), the cores, the scheduling policy; vLLM's
     threads and processes inherit all three."""
-    if spec.cpu_affinity:
-        os.sched_setaffinity(0, set(spec.cpu_affinity))
-    if spec.cpu_batch_scheduling and not on_gpu:
-        use_batch_scheduling()
+    place_process(spec.cpu_affinity, spec.cpu_batch_scheduling and not on_gpu)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

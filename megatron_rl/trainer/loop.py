@@ -25,7 +25,7 @@ from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
 from megatron_rl.parallel.groups import destroy_distributed
-from megatron_rl.parallel.scheduling import use_batch_scheduling
+from megatron_rl.parallel.scheduling import place_process
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
@@ -385,10 +385,7 @@ def main(spec_path: str) -> None:
     `--external-trainer`, in which case the spec file may not exist yet)."""
     spec = json.loads(wait_for_file(Path(spec_path), float(os.environ.get("MRL_SPEC_WAIT_S", "900"))).read_text())
     cfg = RunConfig.model_validate(spec["config"])
-    if cfg.trainer.cpu_affinity:
-        os.sched_setaffinity(0, set(cfg.trainer.cpu_affinity))
-    if cfg.trainer.cpu_batch_scheduling and not torch.cuda.is_available():
-        use_batch_scheduling()  # before the process groups: their threads inherit it
+    place_process(cfg.trainer.cpu_affinity, cfg.trainer.cpu_batch_scheduling and not torch.cuda.is_available())
     try:
         run_loop(cfg, spec)
     except BaseException as err:
