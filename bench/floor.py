@@ -22,10 +22,13 @@ per-op costs, take the time.
 Each as median seconds per step (`*_s`) and CPU seconds of this process per step (`*_cpu_s`). Derived:
 `floor_disaggregated_s` = (two rank shares + the vLLM generation) / 2 cores, a step of our design with no
 overhead at all and both cores always busy; `floor_sync_s` = TRL's update + generation in one process;
-`megatron_step_over_hf_share` = how far our train step is above its compute floor; `floor_ours_s` = (the CPU
-seconds of Megatron-Core's train step on both ranks + vLLM's generation) / 2 cores, the least a step of our two
-stacks as they are can take here, with nothing else (weight push, batch hand-off, Ray, rewards) and no core ever
-idle; `floor_ours_over_sync` = that over `floor_sync_s` (at 1 or more, overlap alone cannot beat TRL's way).
+`megatron_step_over_hf_share` = how far our train step is above its compute floor;
+`megatron_cpu_over_hf_shares` = the CPU seconds of our train step on both ranks over those of transformers'
+update of the two halves (twice `hf_update_share_1t`): what Megatron-Core costs above transformers for the same
+rows; `floor_ours_s` = (the CPU seconds of Megatron-Core's train step on both ranks + vLLM's generation) / 2
+cores, the least a step of our two stacks as they are can take here, with nothing else (weight push, batch
+hand-off, Ray, rewards) and no core ever idle; `floor_ours_over_sync` = that over `floor_sync_s` (at 1 or more,
+overlap alone cannot beat TRL's way).
 """
 
 from __future__ import annotations
@@ -169,6 +172,8 @@ def main() -> None:
     out["floor_sync_s"] = round(parts["hf_update_whole_2t"]["s"] + parts["hf_generate_2t"]["s"], 4)
     out["floor_sync_over_disaggregated"] = round(out["floor_sync_s"] / out["floor_disaggregated_s"], 3)
     out["megatron_step_over_hf_share"] = round(parts["megatron_step_ep2"]["s"] / share, 3)
+    hf_shares_cpu = 2 * parts["hf_update_share_1t"]["cpu_s"]
+    out["megatron_cpu_over_hf_shares"] = round(parts["megatron_step_ep2"]["cpu_s"] / hf_shares_cpu, 3)
     out["floor_ours_s"] = round((parts["megatron_step_ep2"]["cpu_s"] + parts["vllm_generate_1t"]["cpu_s"]) / 2, 4)
     out["floor_ours_over_sync"] = round(out["floor_ours_s"] / out["floor_sync_s"], 3)
     print(json.dumps(out))

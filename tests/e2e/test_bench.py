@@ -125,6 +125,8 @@ def test_floor_bench_times_every_part_and_derives_the_floors():
     sync = result["hf_update_whole_2t_s"] + result["hf_generate_2t_s"]
     assert result["floor_sync_s"] == pytest.approx(sync, abs=1e-3)
     assert result["megatron_step_over_hf_share"] == pytest.approx(result["megatron_step_ep2_s"] / share, rel=1e-2)
+    hf_cpu = 2 * result["hf_update_share_1t_cpu_s"]
+    assert result["megatron_cpu_over_hf_shares"] == pytest.approx(result["megatron_step_ep2_cpu_s"] / hf_cpu, rel=1e-2)
     ours = (result["megatron_step_ep2_cpu_s"] + result["vllm_generate_1t_cpu_s"]) / 2
     assert result["floor_ours_s"] == pytest.approx(ours, abs=1e-3)
     assert result["floor_ours_over_sync"] == pytest.approx(ours / result["floor_sync_s"], rel=1e-2)
