@@ -41,10 +41,12 @@ from megatron_rl.rollout.tasks import BUILTIN_TASKS, PromptStream, load_tokenize
 from megatron_rl.rollout.teacher import TeacherScorer, check_teacher, teacher_specs
 from megatron_rl.run_state import (
     ResumeError,
-    latest_checkpoint,
+    checkpoint_steps,
+    other_checkpoints,
     read_run_state,
     refuse_used_run_dir,
     refuse_used_save_dir,
+    resume_checkpoint,
     truncate_metrics,
     write_atomically,
 )
@@ -216,8 +218,24 @@ def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         return None, None
     if not cfg.checkpoint.save_dir:
         raise ResumeError("checkpoint.resume needs checkpoint.save_dir (where the run's checkpoints are)")
-    folder = latest_checkpoint(cfg.checkpoint.save_dir)
-    return (folder, read_run_state(folder)) if folder is not None else (None, None)
+    save_dir = cfg.checkpoint.save_dir
+    folder = resume_checkpoint(save_dir, cfg.checkpoint.resume_step)
+    if folder is None:
+        return None, None
+    try:
+        state = read_run_state(folder)
+    except ResumeError as err:
+        raise ResumeError(f"{err}; {other_checkpoints(save_dir, folder)}") from None
+    later = [step for step in checkpoint_steps(save_dir) if step > state["step"]]
+    if later:
+        log.warning(
+            "resuming from step %d: the later checkpoints of steps %s stay in %s until a save of the same step"
+            " replaces them or checkpoint.keep_last removes them",
+            state["step"],
+            later,
+            save_dir,
+        )
+    return folder, state
 
 
 def run_training(

@@ -55,8 +55,40 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
         return None
     folder = Path(save_dir) / marker.read_text().strip()
     if not (folder / RUN_STATE).exists():
-        raise ResumeError(f"{marker} names {folder}, which has no {RUN_STATE} (deleted or not a run checkpoint)")
+        raise ResumeError(
+            f"{marker} names {folder}, which has no {RUN_STATE} (deleted or not a run checkpoint);"
+            f" {other_checkpoints(save_dir, folder)}"
+        )
     return folder
+
+
+def checkpoint_steps(save_dir: str | Path) -> list[int]:
+    """The steps of the complete checkpoints under `save_dir` (folders `step_<N>` with a run state), oldest first."""
+    folders = Path(save_dir).glob("step_*")
+    return sorted(int(p.name[5:]) for p in folders if p.name[5:].isdigit() and (p / RUN_STATE).is_file())
+
+
+def resume_checkpoint(save_dir: str | Path, step: int) -> Path | None:
+    """The checkpoint a resume continues from: that of `step` (ResumeError naming the others when it is not a
+    complete checkpoint), or with `step` 0 the one `latest` names (None when there is none yet)."""
+    if not step:
+        return latest_checkpoint(save_dir)
+    folder = step_dir(save_dir, step)
+    if not (folder / RUN_STATE).is_file():
+        raise ResumeError(
+            f"checkpoint.resume_step={step}: {folder} is not a complete checkpoint (no {RUN_STATE});"
+            f" {other_checkpoints(save_dir, folder)}"
+        )
+    return folder
+
+
+def other_checkpoints(save_dir: str | Path, failed: str | Path) -> str:
+    """What else a resume can start from when checkpoint folder `failed` cannot be used, for its error message."""
+    steps = [step for step in checkpoint_steps(save_dir) if step_dir(save_dir, step) != Path(failed)]
+    if not steps:
+        return f"{save_dir} holds no other complete checkpoint"
+    listed = ", ".join(str(step) for step in reversed(steps))
+    return f"{save_dir} also holds the checkpoints of steps {listed}: checkpoint.resume_step=<step> resumes from one"
 
 
 def refuse_used_save_dir(save_dir: str | Path) -> None:

@@ -15,7 +15,9 @@ def add_parser(sub) -> None:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as steps=5 trainer.parallel.ep=2")
     p.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in checkpoint.save_dir, if any"
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in checkpoint.save_dir, if any (checkpoint.resume_step=N: step N's)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="replace an earlier run of the same name (its metrics and config)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_rl.config.base import Section
 
@@ -118,9 +118,22 @@ class CheckpointConfig(Section):
     resume: bool = False
     """Continue from the latest whole-run checkpoint under `save_dir` (`megatron-rl train --resume`); starts from
     scratch when there is none yet."""
+    resume_step: int = Field(0, ge=0)
+    """With `resume`: continue from the checkpoint of this step (`save_dir/step_<N>`) instead of the latest one,
+    e.g. when the latest fails its checksums (0: the latest). Later checkpoints stay until a save of the same step
+    replaces them or `keep_last` removes them."""
     export_final: bool = True
     """At the end of the run, write the policy as a Hugging Face checkpoint folder `RUN_DIR/hf/` (safetensors in
     the dtypes of `model.hf_path`, its config and tokenizer), which transformers and vLLM load."""
     export_hf: bool = False
     """With every whole-run checkpoint, also write the policy as a Hugging Face folder `huggingface/` inside it
     (removed with the checkpoint by `keep_last`)."""
+
+    @model_validator(mode="after")
+    def _resume_step_needs_resume(self) -> CheckpointConfig:
+        if self.resume_step and not (self.resume and self.save_dir):
+            raise ValueError(
+                f"checkpoint.resume_step={self.resume_step} picks a checkpoint to resume from: it needs"
+                " checkpoint.resume (megatron-rl train --resume) and checkpoint.save_dir"
+            )
+        return self

@@ -24,12 +24,13 @@ from megatron_rl.metrics.background import BackgroundReporter
 from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
+from megatron_rl.models.base import CheckpointError
 from megatron_rl.parallel.groups import destroy_distributed
 from megatron_rl.parallel.scheduling import place_process
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
-from megatron_rl.run_state import is_due, save_run_checkpoint
+from megatron_rl.run_state import is_due, other_checkpoints, save_run_checkpoint
 from megatron_rl.trainer.batch import TrainBatch, groups_to_batch, replica_share
 from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
@@ -87,7 +88,7 @@ class TrainerLoop:
             self.control = ray.get_actor(spec["control"])
         self.heartbeat = TrainerHeartbeat(self.control)  # (rank 0) through saves, exports and weight pushes
         resume = spec.get("resume_from")
-        self.step = self.learner.load(Path(resume)) if resume else 0
+        self.step = load_resumed(self.learner, cfg.checkpoint.save_dir, Path(resume)) if resume else 0
         self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
         self.end_message = ""
         sync = engine_sync(cfg, self.learner, spec["engines"], self.is_rank0, _inflight_mode(cfg), "engines")
@@ -272,6 +273,15 @@ class TrainerLoop:
             self.reporter.close()
             self._report("done", self.end_message)
             self.metrics.close()
+
+
+def load_resumed(learner: Learner, save_dir: str, folder: Path) -> int:
+    """Load the checkpoint a resume continues from into `learner`; its step. A CheckpointError (a file that fails
+    its checksum, an unreadable shard) also names the other checkpoints the run could resume from."""
+    try:
+        return learner.load(folder)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err}; {other_checkpoints(save_dir, folder)}") from None
 
 
 def admission(cfg: RunConfig) -> dict:

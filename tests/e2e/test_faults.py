@@ -98,6 +98,7 @@ def test_trainer_killed_during_a_save_fails_the_job_and_resumes_from_the_previou
     assert [r["staleness/max"] for r in records] == [0, 0, 0, 0]  # sync: never trained on older weights
     assert records[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
     assert records[-1]["kl/ref"] > 0
+    _resume_past_a_corrupted_checkpoint(tmp_path, sync)
 
     save_dir = tmp_path / "ckpt-faulty"
     cmd = _train_command(tmp_path, "faulty", *sync, f"checkpoint.save_dir={save_dir}")
@@ -132,6 +133,28 @@ def test_trainer_killed_during_a_save_fails_the_job_and_resumes_from_the_previou
     assert sorted(got) == [1, 2, 3, 4]
     assert got == expected, f"resumed {got} != uninterrupted {expected}"
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+
+
+def _resume_past_a_corrupted_checkpoint(tmp_path: Path, sync: list[str]) -> None:
+    """The finished `straight` run's step-4 checkpoint loses a byte of a shard: `--resume` fails naming the file and
+    the step-2 checkpoint; `checkpoint.resume_step=2` resumes from that one and repeats steps 3-4 bit for bit."""
+    save_dir = tmp_path / "ckpt-straight"
+    expected = _losses(tmp_path / "straight")
+    shard = max((save_dir / "step_00000004").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    cmd = _train_command(tmp_path, "straight", *sync, f"checkpoint.save_dir={save_dir}", "--resume")
+    refused = _run(cmd)
+    assert refused.returncode != 0
+    assert f"{shard.name}: corrupted" in refused.stderr, refused.stderr[-3000:]
+    assert "also holds the checkpoints of steps 2: checkpoint.resume_step=<step>" in refused.stderr
+    resumed = _run([*cmd, "checkpoint.resume_step=2"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["resumed_from"] == str(save_dir / "step_00000002")
+    assert _losses(tmp_path / "straight") == expected
+    assert _latest(save_dir) == "step_00000004"  # saved again over the corrupted one
 
 
 @pytest.mark.slow

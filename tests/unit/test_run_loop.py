@@ -295,6 +295,33 @@ def test_a_fresh_run_refuses_a_save_dir_with_another_runs_latest(tmp_path):
     assert launcher.resume_point(_cfg()) == (None, None)  # no saving: nothing to refuse
 
 
+def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_path, caplog):
+    from megatron_rl.models.base import CheckpointError
+    from megatron_rl.run_state import save_run_checkpoint
+
+    save_dir = tmp_path / "ckpt"
+    for step in (2, 4):
+        save_run_checkpoint(save_dir, step, 3, lambda folder: None, lambda: {"groups": []})
+    state = step_dir(save_dir, 4) / "run_state.json"
+    state.write_text(state.read_text().replace('"step": 4', '"step": 5'))
+    resume = (f"checkpoint.save_dir={save_dir}", "checkpoint.resume=true")
+    with pytest.raises(ResumeError, match=r"run_state.json: corrupted.*steps 2: checkpoint.resume_step=<step>"):
+        launcher.resume_point(_cfg(*resume))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.launcher"):
+        folder, state = launcher.resume_point(_cfg(*resume, "checkpoint.resume_step=2"))
+    assert folder == step_dir(save_dir, 2) and state["step"] == 2
+    assert "resuming from step 2: the later checkpoints of steps [4] stay" in caplog.text
+    with pytest.raises(ConfigError, match="resume_step=2 picks a checkpoint.*needs checkpoint.resume"):
+        _cfg(f"checkpoint.save_dir={save_dir}", "checkpoint.resume_step=2")
+
+    class Unreadable:  # the learner's load finds a shard that fails its checksum (on every rank: they agree)
+        def load(self, folder):
+            raise CheckpointError(f"{folder}/shard.distcp: corrupted")
+
+    with pytest.raises(CheckpointError, match=r"step_00000004/shard.distcp: corrupted; .*steps 2: checkpoint.res"):
+        loop.load_resumed(Unreadable(), str(save_dir), step_dir(save_dir, 4))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Guards, mini-batch stats and the forced lag (trainer/learner.py, trainer/loop.py).
 

@@ -190,6 +190,29 @@ def test_checkpoints_are_staged_committed_and_pruned(tmp_path):
     assert prune_checkpoints(tmp_path, 1) == [] and step_dir(tmp_path, 4).exists()
 
 
+def test_resume_step_picks_a_checkpoint_and_errors_name_the_others(tmp_path):
+    from megatron_rl.run_state import checkpoint_steps, other_checkpoints, resume_checkpoint, save_run_checkpoint
+
+    assert checkpoint_steps(tmp_path) == [] and resume_checkpoint(tmp_path, 0) is None
+    for step in (2, 4, 6):
+        save_run_checkpoint(tmp_path, step, 3, _trainer_part({"shard.distcp": b"x"}), lambda: None)
+    step_dir(tmp_path, 8).mkdir()  # a folder without a run state is no checkpoint
+    assert checkpoint_steps(tmp_path) == [2, 4, 6]
+    assert resume_checkpoint(tmp_path, 0) == step_dir(tmp_path, 6)  # 0: the one `latest` names
+    assert resume_checkpoint(tmp_path, 4) == step_dir(tmp_path, 4)
+    with pytest.raises(ResumeError, match=r"resume_step=8: .*step_00000008 is not a complete.*steps 6, 4, 2: check"):
+        resume_checkpoint(tmp_path, 8)
+    assert other_checkpoints(tmp_path, step_dir(tmp_path, 6)).endswith(
+        "also holds the checkpoints of steps 4, 2: checkpoint.resume_step=<step> resumes from one"
+    )
+    (step_dir(tmp_path, 6) / "run_state.json").unlink()
+    with pytest.raises(ResumeError, match=r"names .*step_00000006, which has no run_state.json.*steps 4, 2"):
+        latest_checkpoint(tmp_path)
+    for step in (2, 4):
+        (step_dir(tmp_path, step) / "run_state.json").unlink()
+    assert other_checkpoints(tmp_path, step_dir(tmp_path, 6)) == f"{tmp_path} holds no other complete checkpoint"
+
+
 def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
     from megatron_rl.models.base import CheckpointError
     from megatron_rl.run_state import save_run_checkpoint, staging_dir
