@@ -12,6 +12,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -40,9 +41,9 @@ from megatron_rl.rollout.supervisor import EngineSupervisor
 from megatron_rl.rollout.tasks import BUILTIN_TASKS, PromptStream, load_tokenizer, make_eval_prompts, make_task
 from megatron_rl.rollout.teacher import TeacherScorer, check_teacher, teacher_specs
 from megatron_rl.run_state import (
+    ABANDONED,
     ResumeError,
     checkpoint_steps,
-    other_checkpoints,
     read_run_state,
     refuse_used_run_dir,
     refuse_used_save_dir,
@@ -218,22 +219,22 @@ def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         return None, None
     if not cfg.checkpoint.save_dir:
         raise ResumeError("checkpoint.resume needs checkpoint.save_dir (where the run's checkpoints are)")
-    save_dir = cfg.checkpoint.save_dir
-    folder = resume_checkpoint(save_dir, cfg.checkpoint.resume_step)
+    save_dir, step = cfg.checkpoint.save_dir, cfg.checkpoint.resume_step
+    if step and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+        # A requeued job reruns its command: its resume_step would rewind it again, past what it trained since.
+        log.warning("checkpoint.resume_step=%d ignored in a requeued Slurm job: resuming from the latest", step)
+        step = 0
+    folder = resume_checkpoint(save_dir, step)
     if folder is None:
         return None, None
-    try:
-        state = read_run_state(folder)
-    except ResumeError as err:
-        raise ResumeError(f"{err}; {other_checkpoints(save_dir, folder)}") from None
-    later = [step for step in checkpoint_steps(save_dir) if step > state["step"]]
+    state = read_run_state(folder)
+    later = [number for number in checkpoint_steps(save_dir) if number > state["step"]]
     if later:
         log.warning(
-            "resuming from step %d: the later checkpoints of steps %s stay in %s until a save of the same step"
-            " replaces them or checkpoint.keep_last removes them",
+            "resuming from step %d: once the trainer has loaded it, the later checkpoints (steps %s) move to %s",
             state["step"],
             later,
-            save_dir,
+            Path(save_dir) / ABANDONED,
         )
     return folder, state
 

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,10 @@ RUN_STATE = "run_state.json"
 RUN_STATE_FORMAT = 1
 PARTIAL_SUFFIX = ".partial"
 """Suffix of the hidden folder a checkpoint is written into before it is renamed to `step_<N>`."""
+REWOUND_METRICS = "metrics.rewound.jsonl"
+"""Where a resume appends the metric records after its checkpoint's step (`truncate_metrics`)."""
+ABANDONED = "abandoned"
+"""Folder of `save_dir` that a resume from an earlier step moves the later step folders into."""
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +67,15 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     return folder
 
 
+def _step_folders(save_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step_<N>` folder under `save_dir`, complete or not, oldest first."""
+    folders = Path(save_dir).glob("step_*")
+    return sorted((int(p.name[5:]), p) for p in folders if p.name[5:].isdigit() and p.is_dir())
+
+
 def checkpoint_steps(save_dir: str | Path) -> list[int]:
     """The steps of the complete checkpoints under `save_dir` (folders `step_<N>` with a run state), oldest first."""
-    folders = Path(save_dir).glob("step_*")
-    return sorted(int(p.name[5:]) for p in folders if p.name[5:].isdigit() and (p / RUN_STATE).is_file())
+    return [step for step, folder in _step_folders(save_dir) if (folder / RUN_STATE).is_file()]
 
 
 def resume_checkpoint(save_dir: str | Path, step: int) -> Path | None:
@@ -91,6 +101,30 @@ def other_checkpoints(save_dir: str | Path, failed: str | Path) -> str:
     return f"{save_dir} also holds the checkpoints of steps {listed}: checkpoint.resume_step=<step> resumes from one"
 
 
+def continue_from(save_dir: str | Path, folder: str | Path) -> list[Path]:
+    """(Rank 0, once every rank loaded checkpoint `folder`) make `folder` the run's `latest` and move the step
+    folders after it, a history the resumed run leaves, into `save_dir/abandoned/<time>/`: kept, but never pruned
+    in place of the run's own checkpoints nor resumed from; returns where they went."""
+    save_dir, folder = Path(save_dir), Path(folder)
+    step = int(folder.name[5:])
+    later = [path for number, path in _step_folders(save_dir) if number > step]
+    moved = []
+    if later:
+        target = save_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
+        target.mkdir(parents=True, exist_ok=True)
+        for path in later:
+            os.replace(path, target / path.name)
+            moved.append(target / path.name)
+        log.warning(
+            "resumed from step %d: moved the later step folders %s to %s", step, [p.name for p in later], target
+        )
+    marker = save_dir / LATEST
+    if not marker.exists() or marker.read_text().strip() != folder.name:
+        write_atomically(marker, folder.name + "\n")
+    _fsync_dir(save_dir)
+    return moved
+
+
 def refuse_used_save_dir(save_dir: str | Path) -> None:
     """(A fresh run) raise ResumeError when `save_dir` already has a `latest` marker: until this run's first save
     it would name the previous run's checkpoint, which a later `--resume` would silently continue."""
@@ -113,11 +147,15 @@ def is_due(step: int, interval: int, last_step: int) -> bool:
 def read_run_state(folder: str | Path) -> dict:
     """The `run_state.json` of a run checkpoint, checked against its recorded checksum and for its format."""
     path = Path(folder) / RUN_STATE
-    _check_recorded(Path(folder), RUN_STATE)
     try:
+        _check_recorded(Path(folder), RUN_STATE)
         state = json.loads(path.read_text())
+    except ResumeError as err:  # it differs from its checksum: another checkpoint may be sound
+        raise ResumeError(f"{err}; {other_checkpoints(Path(folder).parent, folder)}") from None
     except (OSError, json.JSONDecodeError) as err:
-        raise ResumeError(f"{path}: unreadable run state ({err})") from None
+        raise ResumeError(
+            f"{path}: unreadable run state ({err}); {other_checkpoints(Path(folder).parent, folder)}"
+        ) from None
     if state.get("format") != RUN_STATE_FORMAT:
         raise ResumeError(f"{path}: run-state format {state.get('format')!r}, this code reads {RUN_STATE_FORMAT}")
     return state
@@ -220,7 +258,7 @@ def prune_checkpoints(save_dir: str | Path, keep_last: int) -> list[Path]:
         return []
     marker = save_dir / LATEST
     current = marker.read_text().strip() if marker.exists() else None
-    steps = sorted(p for p in save_dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    steps = [folder for _, folder in _step_folders(save_dir)]
     removed = [p for p in steps[:-keep_last] if p.name != current]
     for folder in removed:
         shutil.rmtree(folder)
@@ -250,22 +288,22 @@ def save_run_checkpoint(
 
     is_rank0 = buffer_state is not None
     staging = staging_dir(save_dir, step)
-    agree(_attempt(lambda: begin_checkpoint(save_dir, step)) if is_rank0 else None)
+    agree(attempt(lambda: begin_checkpoint(save_dir, step)) if is_rank0 else None)
     try:
-        agree(_attempt(lambda: write_trainer(staging)))
+        agree(attempt(lambda: write_trainer(staging)))
         if write_more is not None:
-            agree(_attempt(lambda: write_more(staging)))
-        agree(_attempt(lambda: write_run_state(staging, step, buffer_state())) if is_rank0 else None)
-        agree(_attempt(lambda: seal_rest(staging)) if is_rank0 else None)
+            agree(attempt(lambda: write_more(staging)))
+        agree(attempt(lambda: write_run_state(staging, step, buffer_state())) if is_rank0 else None)
+        agree(attempt(lambda: seal_rest(staging)) if is_rank0 else None)
     except UserError as err:
         if is_rank0:
             shutil.rmtree(staging, ignore_errors=True)  # the space it took is what a full disk needs back
         raise type(err)(f"saving the checkpoint of step {step} failed: {err}; {_previous_note(save_dir)}") from None
-    agree(_attempt(lambda: commit_checkpoint(save_dir, staging, step, keep_last)) if is_rank0 else None)
+    agree(attempt(lambda: commit_checkpoint(save_dir, staging, step, keep_last)) if is_rank0 else None)
     return step_dir(save_dir, step)
 
 
-def _attempt(action: Callable[[], object]) -> str | None:
+def attempt(action: Callable[[], object]) -> str | None:
     """Run `action`; its error as one line (naming the error type unless it is a UserError), or None."""
     try:
         action()
@@ -303,7 +341,8 @@ def refuse_used_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> N
 
 
 def truncate_metrics(path: str | Path, last_step: int) -> int:
-    """Keep the metric records up to `last_step` (a resumed run redoes the later ones); returns how many stay.
+    """Keep the metric records up to `last_step` (a resumed run redoes the later ones) and append the later ones to
+    `metrics.rewound.jsonl` beside it (nothing recorded is lost, e.g. when that resume fails); returns how many stay.
 
     An unparseable last line (a crash in the middle of writing it) is dropped with a warning; an unparseable line
     before it raises ResumeError naming the file and line. A fresh run (`last_step` 0) keeps nothing, unread.
@@ -316,7 +355,7 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
         return 0
     lines = path.read_text().splitlines()
     last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
-    kept = []
+    kept, cut = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -326,8 +365,12 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
             break
         if record is None:
             raise ResumeError(f"{path}: line {number} is not a JSON record (only a torn last line is dropped)")
-        if record.get("step", 0) <= last_step:
-            kept.append(line)
+        (kept if record.get("step", 0) <= last_step else cut).append(line)
+    if cut:
+        with path.with_name(REWOUND_METRICS).open("a") as rewound:
+            rewound.write("".join(line + "\n" for line in cut))
+            rewound.flush()
+            os.fsync(rewound.fileno())
     write_atomically(path, "".join(line + "\n" for line in kept))
     return len(kept)
 

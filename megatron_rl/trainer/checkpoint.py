@@ -152,9 +152,14 @@ def _write_side_files(folder: Path, meta: dict, hf_dir: str | Path | None, extra
             os.fsync(stream.fileno())
 
 
-def agree(error: str | None) -> None:
-    """(Every rank) raise CheckpointError with the first rank's error on every rank when any rank had one, so
-    that no rank waits at the next collective for a rank that already gave up."""
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is missing, cut short or differs from the checksum recorded when it was saved (another
+    checkpoint of the run may still be sound, unlike a checkpoint that does not fit the model)."""
+
+
+def agree(error: str | None, kind: type[CheckpointError] = CheckpointError) -> None:
+    """(Every rank) raise `kind` with the first rank's error on every rank when any rank had one, so that no rank
+    waits at the next collective for a rank that already gave up."""
     errors: list = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(errors, error)
@@ -162,7 +167,7 @@ def agree(error: str | None) -> None:
         errors = [error]
     first = next((e for e in errors if e), None)
     if first:
-        raise CheckpointError(first)
+        raise kind(first)
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -423,15 +428,18 @@ def check_files(folder: Path, files: dict[str, dict], names: list[str]) -> str |
 
 
 def verify_checkpoint(folder: str | Path) -> None:
-    """(Every rank: they share the work) CheckpointError naming the first file whose size or checksum differs
-    from `checksums.json`; a folder saved without checksums (before they were recorded) loads unchecked, with
-    a warning."""
+    """(Every rank: they share the work) CorruptCheckpointError naming the first file whose size or checksum
+    differs from `checksums.json` (or the list itself when unreadable); a folder saved without checksums (before
+    they were recorded) loads unchecked, with a warning."""
     folder = Path(folder)
-    files = read_checksums(folder)
+    try:
+        files = read_checksums(folder)
+    except CheckpointError as err:
+        raise CorruptCheckpointError(str(err)) from None
     if files is None:
         log.warning("%s: no %s (saved before checksums were recorded): loading it unchecked", folder, CHECKSUMS)
         return
-    agree(check_files(folder, files, _share(sorted(files))))
+    agree(check_files(folder, files, _share(sorted(files))), CorruptCheckpointError)
 
 
 def rng_state() -> dict:

@@ -24,14 +24,14 @@ from megatron_rl.metrics.background import BackgroundReporter
 from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
-from megatron_rl.models.base import CheckpointError
 from megatron_rl.parallel.groups import destroy_distributed
 from megatron_rl.parallel.scheduling import place_process
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
-from megatron_rl.run_state import is_due, other_checkpoints, save_run_checkpoint
+from megatron_rl.run_state import attempt, continue_from, is_due, other_checkpoints, save_run_checkpoint
 from megatron_rl.trainer.batch import TrainBatch, groups_to_batch, replica_share
+from megatron_rl.trainer.checkpoint import CorruptCheckpointError, agree
 from megatron_rl.trainer.learner import Learner
 from megatron_rl.trainer.optimizer import unwrap_model
 from megatron_rl.weights.export import export_hf_folder
@@ -88,7 +88,7 @@ class TrainerLoop:
             self.control = ray.get_actor(spec["control"])
         self.heartbeat = TrainerHeartbeat(self.control)  # (rank 0) through saves, exports and weight pushes
         resume = spec.get("resume_from")
-        self.step = load_resumed(self.learner, cfg.checkpoint.save_dir, Path(resume)) if resume else 0
+        self.step = load_resumed(self.learner, cfg.checkpoint.save_dir, Path(resume), self.is_rank0) if resume else 0
         self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
         self.end_message = ""
         sync = engine_sync(cfg, self.learner, spec["engines"], self.is_rank0, _inflight_mode(cfg), "engines")
@@ -275,13 +275,17 @@ class TrainerLoop:
             self.metrics.close()
 
 
-def load_resumed(learner: Learner, save_dir: str, folder: Path) -> int:
-    """Load the checkpoint a resume continues from into `learner`; its step. A CheckpointError (a file that fails
-    its checksum, an unreadable shard) also names the other checkpoints the run could resume from."""
+def load_resumed(learner: Learner, save_dir: str, folder: Path, is_rank0: bool) -> int:
+    """Load the checkpoint a resume continues from into `learner`, then (once every rank has) rank 0 makes it the
+    run's `latest` and moves the step folders after it aside (`run_state.continue_from`); its step. A file of it
+    that fails its checksum raises a CorruptCheckpointError that also names the run's other checkpoints."""
     try:
-        return learner.load(folder)
-    except CheckpointError as err:
-        raise CheckpointError(f"{err}; {other_checkpoints(save_dir, folder)}") from None
+        step = learner.load(folder)
+    except CorruptCheckpointError as err:
+        raise CorruptCheckpointError(f"{err}; {other_checkpoints(save_dir, folder)}") from None
+    agree(None)  # every rank has loaded it: nothing a rank still reads is moved below
+    agree(attempt(lambda: continue_from(save_dir, folder)) if is_rank0 else None)
+    return step
 
 
 def admission(cfg: RunConfig) -> dict:

@@ -136,8 +136,9 @@ def test_trainer_killed_during_a_save_fails_the_job_and_resumes_from_the_previou
 
 
 def _resume_past_a_corrupted_checkpoint(tmp_path: Path, sync: list[str]) -> None:
-    """The finished `straight` run's step-4 checkpoint loses a byte of a shard: `--resume` fails naming the file and
-    the step-2 checkpoint; `checkpoint.resume_step=2` resumes from that one and repeats steps 3-4 bit for bit."""
+    """The finished `straight` run's step-4 checkpoint has a byte of a shard flipped: `--resume` fails naming the
+    file and the step-2 checkpoint; `checkpoint.resume_step=2` resumes from that one, moves the step-4 folder aside
+    and repeats steps 3-4 bit for bit."""
     save_dir = tmp_path / "ckpt-straight"
     expected = _losses(tmp_path / "straight")
     shard = max((save_dir / "step_00000004").glob("*.distcp"), key=lambda p: p.stat().st_size)
@@ -154,7 +155,8 @@ def _resume_past_a_corrupted_checkpoint(tmp_path: Path, sync: list[str]) -> None
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert summary["resumed_from"] == str(save_dir / "step_00000002")
     assert _losses(tmp_path / "straight") == expected
-    assert _latest(save_dir) == "step_00000004"  # saved again over the corrupted one
+    assert _latest(save_dir) == "step_00000004"  # saved anew; the corrupted one moved aside, kept
+    assert [p.parent.parent.name for p in save_dir.glob("*/*/step_00000004")] == ["abandoned"]
 
 
 @pytest.mark.slow

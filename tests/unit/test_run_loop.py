@@ -295,9 +295,10 @@ def test_a_fresh_run_refuses_a_save_dir_with_another_runs_latest(tmp_path):
     assert launcher.resume_point(_cfg()) == (None, None)  # no saving: nothing to refuse
 
 
-def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_path, caplog):
+def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_path, caplog, monkeypatch):
     from megatron_rl.models.base import CheckpointError
-    from megatron_rl.run_state import save_run_checkpoint
+    from megatron_rl.run_state import latest_checkpoint, save_run_checkpoint
+    from megatron_rl.trainer.checkpoint import CorruptCheckpointError
 
     save_dir = tmp_path / "ckpt"
     for step in (2, 4):
@@ -310,16 +311,33 @@ def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_
     with caplog.at_level(logging.WARNING, logger="megatron_rl.launcher"):
         folder, state = launcher.resume_point(_cfg(*resume, "checkpoint.resume_step=2"))
     assert folder == step_dir(save_dir, 2) and state["step"] == 2
-    assert "resuming from step 2: the later checkpoints of steps [4] stay" in caplog.text
+    assert "resuming from step 2: once the trainer has loaded it, the later checkpoints (steps [4]) move" in caplog.text
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job reruns its command: no rewinding again
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.launcher"), pytest.raises(ResumeError, match="corrupt"):
+        launcher.resume_point(_cfg(*resume, "checkpoint.resume_step=2"))
+    assert "checkpoint.resume_step=2 ignored in a requeued Slurm job" in caplog.text
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
     with pytest.raises(ConfigError, match="resume_step=2 picks a checkpoint.*needs checkpoint.resume"):
         _cfg(f"checkpoint.save_dir={save_dir}", "checkpoint.resume_step=2")
 
-    class Unreadable:  # the learner's load finds a shard that fails its checksum (on every rank: they agree)
-        def load(self, folder):
-            raise CheckpointError(f"{folder}/shard.distcp: corrupted")
+    class Learner:  # loads as `Learner.load` would, or finds what `fails` says
+        def __init__(self, fails: Exception | None = None):
+            self.fails = fails
 
-    with pytest.raises(CheckpointError, match=r"step_00000004/shard.distcp: corrupted; .*steps 2: checkpoint.res"):
-        loop.load_resumed(Unreadable(), str(save_dir), step_dir(save_dir, 4))
+        def load(self, folder):
+            if self.fails:
+                raise self.fails
+            return int(folder.name[5:])
+
+    corrupt = CorruptCheckpointError(f"{step_dir(save_dir, 4)}/shard.distcp: corrupted")
+    with pytest.raises(CorruptCheckpointError, match=r"shard.distcp: corrupted; .*steps 2: checkpoint.resume_step"):
+        loop.load_resumed(Learner(corrupt), str(save_dir), step_dir(save_dir, 4), True)
+    misfit = CheckpointError("does not fit the model")  # every checkpoint of the run would fail alike: no hint
+    with pytest.raises(CheckpointError, match=r"^does not fit the model$"):
+        loop.load_resumed(Learner(misfit), str(save_dir), step_dir(save_dir, 4), True)
+    assert loop.load_resumed(Learner(), str(save_dir), step_dir(save_dir, 2), True) == 2
+    assert latest_checkpoint(save_dir) == step_dir(save_dir, 2) and not step_dir(save_dir, 4).exists()
+    assert [p.name for p in (save_dir / "abandoned").glob("*/step_*")] == ["step_00000004"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -71,6 +71,9 @@ def test_truncate_metrics_keeps_steps_up_to_the_checkpoint(tmp_path):
     path.write_text("".join(json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(1, 6)))
     assert truncate_metrics(path, 3) == 3
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert truncate_metrics(path, 1) == 1  # a second resume, from an earlier step: the cut records are kept aside
+    rewound = [json.loads(line) for line in (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rewound] == [4, 5, 2, 3] and rewound[0]["loss"] == 0.4
     assert truncate_metrics(tmp_path / "absent.jsonl", 3) == 0
 
 
@@ -205,12 +208,33 @@ def test_resume_step_picks_a_checkpoint_and_errors_name_the_others(tmp_path):
     assert other_checkpoints(tmp_path, step_dir(tmp_path, 6)).endswith(
         "also holds the checkpoints of steps 4, 2: checkpoint.resume_step=<step> resumes from one"
     )
-    (step_dir(tmp_path, 6) / "run_state.json").unlink()
+    state = step_dir(tmp_path, 6) / "run_state.json"
+    state.write_text(state.read_text().replace("null", "{}"))
+    with pytest.raises(ResumeError, match=r"run_state.json: .*truncated or overwritten.*steps 4, 2: checkpoint.res"):
+        read_run_state(step_dir(tmp_path, 6))
+    state.unlink()
     with pytest.raises(ResumeError, match=r"names .*step_00000006, which has no run_state.json.*steps 4, 2"):
         latest_checkpoint(tmp_path)
     for step in (2, 4):
         (step_dir(tmp_path, step) / "run_state.json").unlink()
     assert other_checkpoints(tmp_path, step_dir(tmp_path, 6)) == f"{tmp_path} holds no other complete checkpoint"
+
+
+def test_a_resume_from_an_earlier_step_makes_it_latest_and_moves_the_later_folders_aside(tmp_path):
+    from megatron_rl.run_state import checkpoint_steps, continue_from, prune_checkpoints, save_run_checkpoint
+
+    for step in (2, 4, 6):
+        save_run_checkpoint(tmp_path, step, 0, _trainer_part({"shard.distcp": b"x"}), lambda: None)
+    assert continue_from(tmp_path, step_dir(tmp_path, 6)) == []  # the latest: nothing after it
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 6)
+    step_dir(tmp_path, 8).mkdir()  # an incomplete later folder goes too: it belongs to the history left
+    moved = continue_from(tmp_path, step_dir(tmp_path, 2))
+    assert [p.name for p in moved] == ["step_00000004", "step_00000006", "step_00000008"]
+    assert all(p.parent.parent == tmp_path / "abandoned" and (p / "shard.distcp").exists() for p in moved[:2])
+    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2) and checkpoint_steps(tmp_path) == [2]
+    save_run_checkpoint(tmp_path, 3, 1, _trainer_part({"shard.distcp": b"y"}), lambda: None)
+    assert checkpoint_steps(tmp_path) == [3] and all(p.exists() for p in moved)  # pruning never reaches them
+    assert prune_checkpoints(tmp_path, 1) == []
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint_and_says_so(tmp_path):
