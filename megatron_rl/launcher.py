@@ -48,6 +48,7 @@ from megatron_rl.run_state import (
     refuse_used_run_dir,
     refuse_used_save_dir,
     resume_checkpoint,
+    rewound_to,
     truncate_metrics,
     write_atomically,
 )
@@ -220,9 +221,9 @@ def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     if not cfg.checkpoint.save_dir:
         raise ResumeError("checkpoint.resume needs checkpoint.save_dir (where the run's checkpoints are)")
     save_dir, step = cfg.checkpoint.save_dir, cfg.checkpoint.resume_step
-    if step and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
-        # A requeued job reruns its command: its resume_step would rewind it again, past what it trained since.
-        log.warning("checkpoint.resume_step=%d ignored in a requeued Slurm job: resuming from the latest", step)
+    if step and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 and rewound_to(save_dir) == step:
+        # A requeued job reruns its command: once the rewind was done, it would undo what the run trained since.
+        log.warning("checkpoint.resume_step=%d ignored in a requeued Slurm job (rewound already): the latest", step)
         step = 0
     folder = resume_checkpoint(save_dir, step)
     if folder is None:

@@ -32,6 +32,8 @@ PARTIAL_SUFFIX = ".partial"
 """Suffix of the hidden folder a checkpoint is written into before it is renamed to `step_<N>`."""
 REWOUND_METRICS = "metrics.rewound.jsonl"
 """Where a resume appends the metric records after its checkpoint's step (`truncate_metrics`)."""
+REWOUND = "rewound.json"
+"""The step of the run's last honoured `checkpoint.resume_step` (`continue_from`), in `save_dir`."""
 ABANDONED = "abandoned"
 """Folder of `save_dir` that a resume from an earlier step moves the later step folders into."""
 
@@ -101,28 +103,48 @@ def other_checkpoints(save_dir: str | Path, failed: str | Path) -> str:
     return f"{save_dir} also holds the checkpoints of steps {listed}: checkpoint.resume_step=<step> resumes from one"
 
 
-def continue_from(save_dir: str | Path, folder: str | Path) -> list[Path]:
-    """(Rank 0, once every rank loaded checkpoint `folder`) make `folder` the run's `latest` and move the step
-    folders after it, a history the resumed run leaves, into `save_dir/abandoned/<time>/`: kept, but never pruned
-    in place of the run's own checkpoints nor resumed from; returns where they went."""
+def continue_from(save_dir: str | Path, folder: str | Path, rewind: bool = False) -> list[Path]:
+    """(Rank 0, once every rank loaded checkpoint `folder`) make `folder` the run's `latest`, then move the step
+    folders after it, a history the resumed run leaves, into a new `save_dir/abandoned/<UTC time>/`: kept, but
+    never pruned in place of the run's own checkpoints nor resumed from; returns where they went. `rewind` (a
+    `checkpoint.resume_step` honoured) records the step in `save_dir/rewound.json`, which a requeued job reads."""
     save_dir, folder = Path(save_dir), Path(folder)
     step = int(folder.name[5:])
-    later = [path for number, path in _step_folders(save_dir) if number > step]
-    moved = []
-    if later:
-        target = save_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S")
-        target.mkdir(parents=True, exist_ok=True)
-        for path in later:
-            os.replace(path, target / path.name)
-            moved.append(target / path.name)
-        log.warning(
-            "resumed from step %d: moved the later step folders %s to %s", step, [p.name for p in later], target
-        )
     marker = save_dir / LATEST
     if not marker.exists() or marker.read_text().strip() != folder.name:
-        write_atomically(marker, folder.name + "\n")
+        write_atomically(marker, folder.name + "\n")  # first: a crash below leaves a resumable run
+    if rewind:
+        write_atomically(save_dir / REWOUND, json.dumps({"step": step, "at": time.time()}))
+    later = [path for number, path in _step_folders(save_dir) if number > step]
+    if not later:
+        return []
+    target = _new_folder(save_dir / ABANDONED / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    for path in later:
+        os.replace(path, target / path.name)
     _fsync_dir(save_dir)
-    return moved
+    log.warning("resumed from step %d: moved the later step folders %s to %s", step, [p.name for p in later], target)
+    return [target / path.name for path in later]
+
+
+def rewound_to(save_dir: str | Path) -> int | None:
+    """The step the run's last honoured `checkpoint.resume_step` rewound it to (`continue_from`), or None."""
+    try:
+        return int(json.loads((Path(save_dir) / REWOUND).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _new_folder(base: Path) -> Path:
+    """Create and return `base`, or `base-1`, `base-2`... when it exists."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        candidate = base if n == 0 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{base}: a thousand folders of that name exist")
 
 
 def refuse_used_save_dir(save_dir: str | Path) -> None:
@@ -341,8 +363,9 @@ def refuse_used_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> N
 
 
 def truncate_metrics(path: str | Path, last_step: int) -> int:
-    """Keep the metric records up to `last_step` (a resumed run redoes the later ones) and append the later ones to
-    `metrics.rewound.jsonl` beside it (nothing recorded is lost, e.g. when that resume fails); returns how many stay.
+    """Keep the metric records up to `last_step` (a resumed run redoes the later ones) and append the later ones,
+    each with `rewound_to`, to `metrics.rewound.jsonl` beside it (nothing recorded is lost, e.g. when that resume
+    fails); returns how many stay.
 
     An unparseable last line (a crash in the middle of writing it) is dropped with a warning; an unparseable line
     before it raises ResumeError naming the file and line. A fresh run (`last_step` 0) keeps nothing, unread.
@@ -350,7 +373,8 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
     path = Path(path)
     if not path.exists():
         return 0
-    if last_step <= 0:  # every record has a step >= 1
+    if last_step <= 0:  # every record has a step >= 1; a fresh run also leaves no earlier run's rewound records
+        path.with_name(REWOUND_METRICS).unlink(missing_ok=True)
         write_atomically(path, "")
         return 0
     lines = path.read_text().splitlines()
@@ -365,7 +389,10 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
             break
         if record is None:
             raise ResumeError(f"{path}: line {number} is not a JSON record (only a torn last line is dropped)")
-        (kept if record.get("step", 0) <= last_step else cut).append(line)
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+        else:
+            cut.append(json.dumps(record | {"rewound_to": last_step}))
     if cut:
         with path.with_name(REWOUND_METRICS).open("a") as rewound:
             rewound.write("".join(line + "\n" for line in cut))

@@ -121,7 +121,7 @@ class CheckpointConfig(Section):
     resume_step: int = Field(0, ge=0)
     """With `resume`: continue from the checkpoint of this step (`save_dir/step_<N>`) instead of the latest one,
     e.g. when the latest fails its checksums (0: the latest). Once loaded it becomes `latest` and the later step
-    folders move to `save_dir/abandoned/`; a requeued Slurm job ignores it (docs/launch.md)."""
+    folders move to `save_dir/abandoned/`; a requeued Slurm job rewinds only once (docs/launch.md)."""
     export_final: bool = True
     """At the end of the run, write the policy as a Hugging Face checkpoint folder `RUN_DIR/hf/` (safetensors in
     the dtypes of `model.hf_path`, its config and tokenizer), which transformers and vLLM load."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RunConfig
+from megatron_rl.config.trainer import CheckpointConfig
 from megatron_rl.metrics.background import BackgroundReporter
 from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
@@ -88,7 +89,7 @@ class TrainerLoop:
             self.control = ray.get_actor(spec["control"])
         self.heartbeat = TrainerHeartbeat(self.control)  # (rank 0) through saves, exports and weight pushes
         resume = spec.get("resume_from")
-        self.step = load_resumed(self.learner, cfg.checkpoint.save_dir, Path(resume), self.is_rank0) if resume else 0
+        self.step = load_resumed(self.learner, cfg.checkpoint, Path(resume), self.is_rank0) if resume else 0
         self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
         self.end_message = ""
         sync = engine_sync(cfg, self.learner, spec["engines"], self.is_rank0, _inflight_mode(cfg), "engines")
@@ -275,16 +276,17 @@ class TrainerLoop:
             self.metrics.close()
 
 
-def load_resumed(learner: Learner, save_dir: str, folder: Path, is_rank0: bool) -> int:
+def load_resumed(learner: Learner, ckpt: CheckpointConfig, folder: Path, is_rank0: bool) -> int:
     """Load the checkpoint a resume continues from into `learner`, then (once every rank has) rank 0 makes it the
     run's `latest` and moves the step folders after it aside (`run_state.continue_from`); its step. A file of it
     that fails its checksum raises a CorruptCheckpointError that also names the run's other checkpoints."""
     try:
         step = learner.load(folder)
     except CorruptCheckpointError as err:
-        raise CorruptCheckpointError(f"{err}; {other_checkpoints(save_dir, folder)}") from None
+        raise CorruptCheckpointError(f"{err}; {other_checkpoints(ckpt.save_dir, folder)}") from None
     agree(None)  # every rank has loaded it: nothing a rank still reads is moved below
-    agree(attempt(lambda: continue_from(save_dir, folder)) if is_rank0 else None)
+    rewind = ckpt.resume_step == step  # the launcher honoured checkpoint.resume_step
+    agree(attempt(lambda: continue_from(ckpt.save_dir, folder, rewind)) if is_rank0 else None)
     return step
 
 

@@ -4,6 +4,7 @@ of the prompts, or rank 0's error), and how the launcher ends generation, refuse
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -312,11 +313,14 @@ def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_
         folder, state = launcher.resume_point(_cfg(*resume, "checkpoint.resume_step=2"))
     assert folder == step_dir(save_dir, 2) and state["step"] == 2
     assert "resuming from step 2: once the trainer has loaded it, the later checkpoints (steps [4]) move" in caplog.text
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job reruns its command: no rewinding again
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job reruns its command: rewinds until it was done
+    assert launcher.resume_point(_cfg(*resume, "checkpoint.resume_step=2"))[0] == step_dir(save_dir, 2)
+    (save_dir / "rewound.json").write_text(json.dumps({"step": 2}))  # as the trainer's load of step 2 records
     with caplog.at_level(logging.WARNING, logger="megatron_rl.launcher"), pytest.raises(ResumeError, match="corrupt"):
-        launcher.resume_point(_cfg(*resume, "checkpoint.resume_step=2"))
-    assert "checkpoint.resume_step=2 ignored in a requeued Slurm job" in caplog.text
+        launcher.resume_point(_cfg(*resume, "checkpoint.resume_step=2"))  # then from the latest (here: corrupt)
+    assert "checkpoint.resume_step=2 ignored in a requeued Slurm job (rewound already)" in caplog.text
     monkeypatch.delenv("SLURM_RESTART_COUNT")
+    (save_dir / "rewound.json").unlink()
     with pytest.raises(ConfigError, match="resume_step=2 picks a checkpoint.*needs checkpoint.resume"):
         _cfg(f"checkpoint.save_dir={save_dir}", "checkpoint.resume_step=2")
 
@@ -329,15 +333,17 @@ def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_
                 raise self.fails
             return int(folder.name[5:])
 
+    ckpt = _cfg(*resume, "checkpoint.resume_step=2").checkpoint
     corrupt = CorruptCheckpointError(f"{step_dir(save_dir, 4)}/shard.distcp: corrupted")
     with pytest.raises(CorruptCheckpointError, match=r"shard.distcp: corrupted; .*steps 2: checkpoint.resume_step"):
-        loop.load_resumed(Learner(corrupt), str(save_dir), step_dir(save_dir, 4), True)
+        loop.load_resumed(Learner(corrupt), ckpt, step_dir(save_dir, 4), True)
     misfit = CheckpointError("does not fit the model")  # every checkpoint of the run would fail alike: no hint
     with pytest.raises(CheckpointError, match=r"^does not fit the model$"):
-        loop.load_resumed(Learner(misfit), str(save_dir), step_dir(save_dir, 4), True)
-    assert loop.load_resumed(Learner(), str(save_dir), step_dir(save_dir, 2), True) == 2
+        loop.load_resumed(Learner(misfit), ckpt, step_dir(save_dir, 4), True)
+    assert loop.load_resumed(Learner(), ckpt, step_dir(save_dir, 2), True) == 2
     assert latest_checkpoint(save_dir) == step_dir(save_dir, 2) and not step_dir(save_dir, 4).exists()
     assert [p.name for p in (save_dir / "abandoned").glob("*/step_*")] == ["step_00000004"]
+    assert json.loads((save_dir / "rewound.json").read_text())["step"] == 2  # a requeue will not rewind again
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -73,7 +73,9 @@ def test_truncate_metrics_keeps_steps_up_to_the_checkpoint(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
     assert truncate_metrics(path, 1) == 1  # a second resume, from an earlier step: the cut records are kept aside
     rewound = [json.loads(line) for line in (tmp_path / "metrics.rewound.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rewound] == [4, 5, 2, 3] and rewound[0]["loss"] == 0.4
+    assert [(r["step"], r["rewound_to"]) for r in rewound] == [(4, 3), (5, 3), (2, 1), (3, 1)]
+    assert rewound[0]["loss"] == 0.4
+    assert truncate_metrics(path, 0) == 0 and not (tmp_path / "metrics.rewound.jsonl").exists()  # a fresh run
     assert truncate_metrics(tmp_path / "absent.jsonl", 3) == 0
 
 
@@ -221,17 +223,28 @@ def test_resume_step_picks_a_checkpoint_and_errors_name_the_others(tmp_path):
 
 
 def test_a_resume_from_an_earlier_step_makes_it_latest_and_moves_the_later_folders_aside(tmp_path):
-    from megatron_rl.run_state import checkpoint_steps, continue_from, prune_checkpoints, save_run_checkpoint
+    from megatron_rl.run_state import (
+        checkpoint_steps,
+        continue_from,
+        prune_checkpoints,
+        rewound_to,
+        save_run_checkpoint,
+    )
 
     for step in (2, 4, 6):
         save_run_checkpoint(tmp_path, step, 0, _trainer_part({"shard.distcp": b"x"}), lambda: None)
     assert continue_from(tmp_path, step_dir(tmp_path, 6)) == []  # the latest: nothing after it
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 6)
     step_dir(tmp_path, 8).mkdir()  # an incomplete later folder goes too: it belongs to the history left
-    moved = continue_from(tmp_path, step_dir(tmp_path, 2))
+    assert rewound_to(tmp_path) is None  # a plain resume records no rewind
+    moved = continue_from(tmp_path, step_dir(tmp_path, 2), rewind=True)
     assert [p.name for p in moved] == ["step_00000004", "step_00000006", "step_00000008"]
     assert all(p.parent.parent == tmp_path / "abandoned" and (p / "shard.distcp").exists() for p in moved[:2])
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 2) and checkpoint_steps(tmp_path) == [2]
+    assert rewound_to(tmp_path) == 2
+    step_dir(tmp_path, 4).mkdir()  # rewound again within the same second: a folder of its own, nothing merged
+    again = continue_from(tmp_path, step_dir(tmp_path, 2))
+    assert again[0].parent != moved[0].parent and again[0].parent.name.startswith(moved[0].parent.name)
     save_run_checkpoint(tmp_path, 3, 1, _trainer_part({"shard.distcp": b"y"}), lambda: None)
     assert checkpoint_steps(tmp_path) == [3] and all(p.exists() for p in moved)  # pruning never reaches them
     assert prune_checkpoints(tmp_path, 1) == []
