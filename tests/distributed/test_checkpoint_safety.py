@@ -137,8 +137,10 @@ def test_damaged_and_crafted_checkpoints_are_refused_naming_the_file(saved, tiny
     assert f"{shard}: corrupted" in report["flipped"]["error"], report["flipped"]
     assert f"{shard}: {len(data) // 2} bytes, saved with {len(data)}" in report["truncated"]["error"]
     assert f"{shard}: {len(data) // 2} bytes, but its records end at byte" in report["truncated_old"]["error"]
-    for name in ("evil_meta", "evil_bytes", "flipped", "truncated", "truncated_old"):
+    for name in ("evil_meta", "evil_bytes", "truncated_old"):
         assert report[name]["error"].startswith("CheckpointError: "), report[name]
+    for name in ("flipped", "truncated", "evil_unsealed"):  # a file that differs from its checksum
+        assert report[name]["error"].startswith("CorruptCheckpointError: "), report[name]
 
 
 def test_convert_refuses_a_crafted_metadata_in_one_line(saved, tmp_path):
