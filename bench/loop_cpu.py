@@ -1,8 +1,9 @@
 """Benchmark: where a step's CPU goes in the quickstart's loop, per process and per trainer thread.
 
     .venv/bin/python bench/loop_cpu.py [--steps 300] [--from-step 60] [--window-s 20] [--override k=v ...]
+        [--size tiny|wide]
 
-Runs `bench/peer_trl.py`'s megatron-rl side (configs/quickstart.yaml on the random 4-layer Qwen3-MoE of seed 0)
+Runs `bench/peer_trl.py`'s megatron-rl side (configs/quickstart.yaml on its random 4-layer Qwen3-MoE of seed 0)
 and, once step `--from-step` is logged, reads the CPU time of every process of the run (this one, its torchrun
 ranks, Ray's processes and actors: all descendants of this process) from /proc at the start and the end of a
 `--window-s` window, counting the steps logged in it. On a small machine every process competes for the same
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from _proc import descendants, proc_stat  # beside this file
-from peer_trl import make_model, run_mrl, say  # beside this file; it keeps a local Ray on loopback
+from peer_trl import MODEL_NAMES, SIZES, make_model, run_mrl, say  # beside this file; it keeps a local Ray on loopback
 
 from megatron_rl.metrics.logger import is_step_record, read_metrics
 
@@ -162,10 +163,11 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=20.0)
     parser.add_argument("--override", action="append", default=[], help="a config override k=v for the run")
     parser.add_argument("--work-dir", default="", help="keep the run here (default: a temporary folder)")
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny", help="the model, as bench/peer_trl.py's")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="loop_cpu_") as tmp:
         root = Path(args.work_dir or tmp)
-        model = make_model(root, 0)
+        model = make_model(root, 0, args.size)
         window = Window(root / "mrl-seed0" / "metrics.jsonl", args.from_step, args.window_s)
         window.start()
         run_mrl(model, 0, args.steps, root, args.override)
@@ -175,7 +177,7 @@ def main() -> None:
         raise SystemExit(f"the window did not fit in the run's {args.steps} steps: raise --steps")
     out = summary(result, os.cpu_count() or 1)
     say(f"{out['steps']} steps in {out['window_s']} s: {out['total_ms_per_step']} CPU-ms a step")
-    print(json.dumps({"model": "tiny qwen3_moe, 4 layers", "overrides": args.override} | out), flush=True)
+    print(json.dumps({"model": MODEL_NAMES[args.size], "overrides": args.override} | out), flush=True)
 
 
 if __name__ == "__main__":

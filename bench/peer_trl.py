@@ -1,13 +1,14 @@
 """Benchmark: TRL's GRPOTrainer and megatron-rl side by side, on the same model, task, batch and optimizer.
 
     .venv/bin/python bench/peer_trl.py [--seeds 3] [--trl-steps 260] [--mrl-steps 260] [--mrl-override k=v ...]
-        [--trl-micro-batch 64]
+        [--trl-micro-batch 64] [--size tiny|wide]
 
 Per seed, both sides load the same random 4-layer Qwen3-MoE folder (`make_tiny("qwen3_moe", ...,
-num_hidden_layers=4)`, the 512-token BPE) and learn the `count` task (prompt `count: <3 words> =`, reward
-min(#digits, 8)/8) with 8 prompts x 8 samples per step, at most 8 new tokens, temperature 1.0, Adam lr 3e-4
-constant, betas (0.9, 0.99), eps 1e-8, no weight decay, grad clip 1.0, no KL, one optimizer update per batch,
-fp32, GRPO advantages normalised within each group (mean and std), the loss a token mean over the whole batch.
+num_hidden_layers=4)`, the 512-token BPE; `--size wide`: `bench/train_step.py`'s compute model, hidden 512 and
+8 heads x 64, where the matmuls rather than per-op costs take the time) and learn the `count` task (prompt
+`count: <3 words> =`, reward min(#digits, 8)/8) with 8 prompts x 8 samples per step, at most 8 new tokens,
+temperature 1.0, Adam lr 3e-4 constant, betas (0.9, 0.99), eps 1e-8, no weight decay, grad clip 1.0, no KL, one
+optimizer update per batch, fp32, GRPO advantages normalised within each group (mean and std), the loss a token mean over the whole batch.
 
 - megatron-rl: configs/quickstart.yaml as it is (async, max_staleness 4, EP2 trainer, its micro-batching,
   decoupled PPO with TIS, one vLLM engine), with `model.hf_path`, `steps`, `trainer.seed` and `task.seed` set
@@ -50,6 +51,7 @@ from megatron_rl.rollout.ray_env import prefer_loopback_ray
 prefer_loopback_ray()  # a local Ray on loopback only: before anything below imports ray
 
 import ray  # noqa: E402
+from train_step import TINY, WIDE  # noqa: E402  (beside this file)
 
 from megatron_rl.config import load_config  # noqa: E402
 from megatron_rl.launcher import run_training  # noqa: E402
@@ -93,11 +95,20 @@ def ensure_trl_venv() -> Path:
     return python
 
 
-def make_model(root: Path, seed: int) -> Path:
-    """The seed's random 4-layer Qwen3-MoE (HF folder with the project's tokenizer), shared by both sides."""
-    path = root / f"model-seed{seed}"
+SIZES = {"tiny": TINY, "wide": WIDE}
+"""`--size`: the model's config overrides (`train_step.py`'s quickstart and compute models)."""
+MODEL_NAMES = {
+    "tiny": "tiny qwen3_moe, 4 layers",
+    "wide": "qwen3_moe, 4 layers, hidden 512 (train_step.py's compute model)",
+}
+
+
+def make_model(root: Path, seed: int, size: str = "tiny") -> Path:
+    """The seed's random 4-layer Qwen3-MoE of `size` (HF folder with the project's tokenizer), shared by both
+    sides; kept in `root` (a folder there of that name is used as it is)."""
+    path = root / (f"model-seed{seed}" if size == "tiny" else f"model-{size}-seed{seed}")
     if not (path / "config.json").exists():
-        make_tiny("qwen3_moe", path, seed=seed, overrides={"num_hidden_layers": 4})
+        make_tiny("qwen3_moe", path, seed=seed, overrides=SIZES[size])
     return path
 
 
@@ -217,6 +228,7 @@ def main() -> None:
     parser.add_argument("--mrl-override", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--only", choices=("trl", "mrl"), help="run one side only (its ratios are then null)")
     parser.add_argument("--work-dir", default="", help="keep models and runs here (default: a temporary folder)")
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny", help="the model (module docstring)")
     whole = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"]
     parser.add_argument(
         "--trl-micro-batch", type=int, default=whole,
@@ -233,7 +245,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"mrl": [], "trl": []}
         settings = None
         for seed in range(args.seeds):
-            model = make_model(root, seed)
+            model = make_model(root, seed, args.size)
             if args.only != "mrl":
                 rows, settings = run_trl(python, model, seed, args.trl_steps, root, args.trl_micro_batch)
                 runs["trl"].append(summarise(rows))
@@ -241,7 +253,7 @@ def main() -> None:
                 runs["mrl"].append(summarise(run_mrl(model, seed, args.mrl_steps, root / "runs", args.mrl_override)))
             say(f"seed {seed}: " + " | ".join(f"{side} {seeds[-1]}" for side, seeds in runs.items() if seeds))
     result = {
-        "model": "tiny qwen3_moe, 4 layers", "task": "count", "seeds": args.seeds, "trl_steps": args.trl_steps,
+        "model": MODEL_NAMES[args.size], "task": "count", "seeds": args.seeds, "trl_steps": args.trl_steps,
         "mrl_steps": args.mrl_steps, "mrl_overrides": args.mrl_override, "settings": SETTINGS,
         "trl_settings": settings, **compare(runs), "per_seed": runs,
     }  # fmt: skip

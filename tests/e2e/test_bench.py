@@ -187,8 +187,12 @@ def test_ray_calls_bench_times_each_way_of_sending_a_burst():
 def test_peer_trl_refuses_overrides_that_change_the_shared_settings():
     """`bench/peer_trl.py` compares like with like: before any run, the quickstart (with the overrides) must have
     the task and optimizer settings the TRL side uses; an override of megatron-rl's own options is fine."""
-    own = run_bench("peer_trl.py", "--seeds", "0", "--only", "mrl", "--mrl-override", "trainer.micro_batch_tokens=2048")
+    own = run_bench(
+        "peer_trl.py", "--seeds", "0", "--only", "mrl", "--mrl-override", "trainer.micro_batch_tokens=2048",
+        "--size", "wide",
+    )  # fmt: skip
     assert own["mrl_overrides"] == ["trainer.micro_batch_tokens=2048"] and own["per_seed"] == {"mrl": [], "trl": []}
+    assert "hidden 512" in own["model"]  # `--size wide` names the compute model it would run
     proc = subprocess.run(
         [sys.executable, "bench/peer_trl.py", "--only", "mrl", "--mrl-override", "rollout.temperature=0.7"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
