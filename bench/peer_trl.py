@@ -8,7 +8,8 @@ num_hidden_layers=4)`, the 512-token BPE; `--size wide`: `bench/train_step.py`'s
 8 heads x 64, where the matmuls rather than per-op costs take the time) and learn the `count` task (prompt
 `count: <3 words> =`, reward min(#digits, 8)/8) with 8 prompts x 8 samples per step, at most 8 new tokens,
 temperature 1.0, Adam lr 3e-4 constant, betas (0.9, 0.99), eps 1e-8, no weight decay, grad clip 1.0, no KL, one
-optimizer update per batch, fp32, GRPO advantages normalised within each group (mean and std), the loss a token mean over the whole batch.
+optimizer update per batch, fp32, GRPO advantages normalised within each group (mean and std), the loss a token
+mean over the whole batch.
 
 - megatron-rl: configs/quickstart.yaml as it is (async, max_staleness 4, EP2 trainer, its micro-batching,
   decoupled PPO with TIS, one vLLM engine), with `model.hf_path`, `steps`, `trainer.seed` and `task.seed` set
@@ -72,7 +73,8 @@ SETTINGS = {
     "prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 8, "temperature": 1.0, "lr": 3e-4,
     "adam_beta2": 0.99, "clip_grad": 1.0, "clip_low": 0.2, "clip_high": 0.28,
 }  # fmt: skip
-"""What both sides use; the megatron-rl values come from configs/quickstart.yaml (`check_settings`, in `main` before any run)."""
+"""What both sides use; the megatron-rl values come from configs/quickstart.yaml (`check_settings`, in `main`
+before any run)."""
 
 
 def say(message: str) -> None:
