@@ -145,9 +145,8 @@ def test_self_distillation_mixed_with_the_reward_survives_a_killed_teacher(tmp_p
     versions = [r["distill/teacher_weights_version"] for r in records]
     k3 = [r["distill/k3_kl"] for r in records]
     print(f"teacher weights versions {versions}; scored by {[r['distill/teacher_version'] for r in records]}")
-    print(
-        f"refreshes {[r['distill/teacher_refreshes'] for r in records]}; owed {[r['distill/teacher_refresh_owed'] for r in records]}"
-    )
+    refreshes = [r["distill/teacher_refreshes"] for r in records]
+    print(f"refreshes {refreshes}; owed {[r['distill/teacher_refresh_owed'] for r in records]}")
     print(f"k3 KL {[f'{k:.2e}' for k in k3]}; rewards {[round(r['reward/mean'], 3) for r in records]}")
     print(f"teacher report {summary['teacher']}; driver {summary['driver']}")
     assert killed and summary["teacher"]["restarts"] == {"teacher-0": 1} and summary["teacher"]["down"] == {}
