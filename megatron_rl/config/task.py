@@ -91,8 +91,13 @@ class TaskConfig(Section):
     length_penalty: LengthPenaltyConfig = Field(default_factory=LengthPenaltyConfig)
     """A linear length penalty, subtracted from the reward."""
     reward_timeout_s: float = Field(60.0, gt=0)
-    """Longest one reward call may take; past it the sample's reward is NaN (a failed reward, counted and logged)
-    and the call's thread is left to finish (Python cannot stop it; a daemon thread, so the run still exits)."""
+    """Longest one reward call may take; past it the sample's reward is NaN (a failed reward, counted and logged),
+    and the call's process is killed or its thread left to finish (`reward_isolation`)."""
+    reward_isolation: Literal["auto", "thread", "process"] = "auto"
+    """Where plain reward functions run: "thread" (cheap, but a call past reward_timeout_s keeps running, and one
+    that holds the GIL in a long C call stalls the whole driver), "process" (a call past its time is killed with
+    its process; arguments and results must pickle), "auto": processes for the math-verify reward (`math`, the
+    datasets' default: sympy can spend minutes in one C call on a response such as 9^{9^{9}}), threads otherwise."""
     prompt_key: str = "prompt"
     """Dataset column holding the prompt (text, or chat messages rendered with the chat template)."""
     answer_key: str = "answer"

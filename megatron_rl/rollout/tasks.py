@@ -88,8 +88,12 @@ class Task(abc.ABC):
 
     def reward_set(self) -> RewardSet:
         """The configured reward functions (else the task's own) with the length penalties."""
-        functions = self.reward_functions or [describe(self.reward, self.name)]
+        functions = self.reward_functions or [self.own_reward()]
         return RewardSet(functions, self.shapers)
+
+    def own_reward(self) -> RewardFunction:
+        """The task's own reward (`reward`), used where no reward functions were configured."""
+        return describe(self.reward, self.name)
 
     def set_response_limit(self, max_new_tokens: int) -> None:
         """Build the length penalties, whose `max_tokens` of 0 means the engines' `max_new_tokens`."""
@@ -298,6 +302,10 @@ class DatasetTask(Task):
     def reward(self, response: str, answer: Any, sample: Any = None) -> float:
         """Math answer reward (math-verify) unless reward functions were configured."""
         return math_reward(response, answer, sample)
+
+    def own_reward(self) -> RewardFunction:
+        """The built-in `math` reward itself (not this method: a process would be sent the whole task)."""
+        return describe(math_reward, self.name, source="math")
 
     def report(self) -> dict:
         """Reward failures plus, per dataset, rows, usable rows and skipped rows by reason (and where)."""

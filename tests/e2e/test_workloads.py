@@ -1,7 +1,8 @@
 """A real run on real-workload data: `megatron-rl train` for two steps on the tiny model, its prompts a mix of a
 verl-shaped parquet (chat prompts, `reward_model.ground_truth`, `data_source`, `extra_info`) and a TRL-style
 jsonl, rewarded by a verl `compute_score` and a TRL batch function from a reward file (plus a third that calls
-`sys.exit` once). Each reward writes what it received to a file that the test reads."""
+`sys.exit` once), all three in reward processes. Each reward writes what it received to a file that the test
+reads."""
 
 from __future__ import annotations
 
@@ -24,15 +25,14 @@ TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 REWARDS = """
-import json, sys
+import json, os, sys
 
 LOG = {log!r}
-_exited = []
 
 
 def _write(kind, entry):
     with open(LOG, "a") as f:
-        f.write(json.dumps({{"kind": kind, **entry}}) + "\\n")
+        f.write(json.dumps({{"kind": kind, "pid": os.getpid(), **entry}}) + "\\n")
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -47,10 +47,11 @@ def trl_reward(prompts, completions, completion_ids, **kwargs):
 
 
 def exits_once(response, answer, sample):
-    if not _exited:
-        _exited.append(True)
-        sys.exit("reward gave up")
-    return 0.0
+    try:  # once across the reward processes: the first to create the marker
+        os.close(os.open(LOG + ".exited", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return 0.0
+    sys.exit("reward gave up")
 """
 
 
@@ -70,14 +71,18 @@ def test_two_steps_on_a_verl_parquet_and_a_trl_jsonl_with_verl_and_trl_rewards(t
         sys.executable, "-m", "megatron_rl.cli", "train", "configs/quickstart.yaml", "steps=2",
         f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "task.name=dataset", f"task.datasets={datasets}",
         f"task.rewards={fns}", f"task.chat_template={template}", "task.overlong_penalty.buffer_tokens=4",
+        "task.reward_isolation=process",  # the file's functions loaded again in the reward processes, run there
     ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = launcher.communicate(timeout=900)
+    assert launcher.returncode == 0, stderr[-4000:]
     run_dir = tmp_path / "quickstart"
     assert len(read_metrics(run_dir / "metrics.jsonl")) == 2
     summary = json.loads((run_dir / "summary.json").read_text())
     received = [json.loads(line) for line in log.read_text().splitlines()]
 
+    pids = {r["pid"] for r in received}
+    assert launcher.pid not in pids and 0 < len(pids) <= 2  # the driver's reward processes (two), none killed
     verl = [r for r in received if r["kind"] == "verl"]
     from_parquet = [r for r in verl if r["data_source"] == "arith/add"]
     from_jsonl = [r for r in verl if r["data_source"] == "trl_math"]

@@ -11,142 +11,59 @@ reason names the function and the prompt's source (file and row).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import inspect
-import queue
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from megatron_rl.rollout.rewards.calling import RewardFunction, outcome
+from megatron_rl.rollout.rewards.workers import DaemonWorkers, ProcessWorkers, failure_text, guarded_call
+
+ISOLATIONS = ("auto", "thread", "process")
+"""Where plain reward functions run (`task.reward_isolation`)."""
+PROCESS_REWARDS = ("math",)
+"""Rewards (as configured) that "auto" runs in processes: math-verify's sympy holds the GIL in long C calls."""
 
 
 class RewardFailure(Exception):
     """One reward call failed; the message says how ("raised ValueError: ...", "timed out after ...")."""
 
 
-def _failure_text(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"raised {type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-
-
-def _guarded_call(fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-    """(True, value) or (False, why): a reward's SystemExit must not end the thread it runs in, nor escape
-    through the future to the event loop (asyncio re-raises SystemExit out of the loop)."""
-    try:
-        return True, fn(*args, **kwargs)
-    except (Exception, SystemExit) as err:
-        return False, _failure_text(err)
-
-
 async def _guarded_await(awaitable) -> tuple[bool, Any]:
     try:
         return True, await awaitable
     except (Exception, SystemExit) as err:  # CancelledError is not caught: cancelling the driver must work
-        return False, _failure_text(err)
-
-
-class _Call:
-    """One plain reward call queued for a worker thread, and how far it got (`DaemonWorkers` guards `state`)."""
-
-    __slots__ = ("loop", "future", "fn", "args", "kwargs", "deadline", "state")
-
-    def __init__(self, loop, future, fn, args, kwargs, deadline):
-        self.loop, self.future, self.fn, self.args, self.kwargs = loop, future, fn, args, kwargs
-        self.deadline = deadline  # time.monotonic() past which the call is not started
-        self.state = "queued"  # -> "running" -> "done", or "abandoned" (past its time) at any point before "done"
-
-
-def _settle(future: asyncio.Future, result) -> None:
-    if not future.done():  # a call past its time was cancelled by `wait_for`
-        future.set_result(result)
-
-
-class DaemonWorkers:
-    """`count` daemon threads that run plain reward calls off the event loop.
-
-    Daemon because a call past its time cannot be stopped, and the interpreter joins the threads of a
-    `ThreadPoolExecutor` at exit: one reward that never returned kept the launcher from exiting after its run. A
-    call abandoned while it runs writes its thread off (the thread ends when the call returns) and a new thread
-    takes its place; one still queued at its deadline is skipped."""
-
-    def __init__(self, count: int):
-        self.count = count
-        self.stuck_threads = 0
-        """Threads written off because their call ran past its time."""
-        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        for _ in range(count):
-            self._start_thread()
-
-    def _start_thread(self) -> None:
-        threading.Thread(target=self._work, name="reward", daemon=True).start()
-
-    def submit(self, fn: Callable, args: tuple, kwargs: dict, timeout_s: float) -> tuple[asyncio.Future, _Call]:
-        """Queue `_guarded_call(fn, args, kwargs)`, to start within `timeout_s` or not at all; the future (of the
-        running loop) gets its result."""
-        if self._closed:
-            raise RuntimeError("reward calls after the runner was shut down")
-        loop = asyncio.get_running_loop()
-        call = _Call(loop, loop.create_future(), fn, args, kwargs, time.monotonic() + timeout_s)
-        self._calls.put(call)
-        return call.future, call
-
-    def abandon(self, call: _Call) -> None:
-        """Give up on `call` (past its time): skipped if still queued, its thread replaced if running."""
-        with self._lock:
-            running = call.state == "running"
-            if call.state != "done":
-                call.state = "abandoned"
-        if running:
-            self.stuck_threads += 1
-            self._start_thread()
-
-    def forget(self, call: _Call) -> None:
-        """Drop `call` if it has not started (its caller was cancelled); a running one finishes on its thread."""
-        with self._lock:
-            if call.state == "queued":
-                call.state = "abandoned"
-
-    def _work(self) -> None:
-        while (call := self._calls.get()) is not None:
-            with self._lock:
-                if call.state == "abandoned" or time.monotonic() >= call.deadline:
-                    call.state = "abandoned"  # its caller has given up, or is about to
-                    continue
-                call.state = "running"
-            result = _guarded_call(call.fn, call.args, call.kwargs)
-            with self._lock:
-                if call.state == "abandoned":
-                    return  # written off: a new thread has this one's place
-                call.state = "done"
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for this result
-                call.loop.call_soon_threadsafe(_settle, call.future, result)
-
-    def shutdown(self) -> None:
-        """Take no more calls; the threads end once the calls queued before this ran (stuck ones end when their
-        calls return)."""
-        self._closed = True
-        for _ in range(self.count):
-            self._calls.put(None)
+        return False, failure_text(err)
 
 
 class RewardRunner:
-    """Runs reward calls within `timeout_s` each: plain functions on `workers` daemon threads (off the event
-    loop), `async` ones on the loop. A call past its time is a failure; its thread cannot be stopped, so it is
-    left to finish on its own (`DaemonWorkers`) and cannot keep the process from exiting."""
+    """Runs reward calls within `timeout_s` each: plain functions on `workers` daemon threads or, as `isolation`
+    says, in `workers` processes (`rollout/rewards/workers.py`), `async` ones on the loop. A call past its time is
+    a failure; a thread cannot be stopped, so it is left to finish on its own and cannot keep the process from
+    exiting; a process is killed and replaced.
 
-    def __init__(self, timeout_s: float, workers: int = 2, field: str = "task.reward_timeout_s"):
-        self.timeout_s, self.field = timeout_s, field
+    `isolation`: "thread", "process", or "auto": processes for the rewards in `PROCESS_REWARDS` (math-verify's,
+    whose sympy can hold the GIL for minutes), threads for the rest."""
+
+    def __init__(
+        self, timeout_s: float, workers: int = 2, field: str = "task.reward_timeout_s", isolation: str = "auto"
+    ):
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"reward isolation {isolation!r}: expected one of {', '.join(ISOLATIONS)}")
+        self.timeout_s, self.field, self.isolation = timeout_s, field, isolation
         self._threads = DaemonWorkers(workers)
+        self._processes = ProcessWorkers(workers)  # no process starts before its first call
 
     @property
     def stuck_threads(self) -> int:
-        """Threads written off because a plain reward ran past `timeout_s`."""
-        return self._threads.stuck_threads
+        """Plain reward calls written off past `timeout_s` (threads left to them, or processes killed)."""
+        return self._threads.stuck_threads + self._processes.stuck_threads
+
+    def in_process(self, spec: RewardFunction) -> bool:
+        """Whether `spec`'s calls run in a reward process."""
+        if spec.is_async or self.isolation == "thread":
+            return False
+        return self.isolation == "process" or spec.source in PROCESS_REWARDS
 
     async def call(self, spec: RewardFunction, args: tuple, kwargs: dict) -> Any:
         """The function's value; RewardFailure when it raises, exits or times out."""
@@ -155,29 +72,32 @@ class RewardRunner:
             if spec.is_async:
                 ok, value = await asyncio.wait_for(_guarded_await(spec.target()(*args, **kwargs)), self.timeout_s)
             else:
-                future, queued = self._threads.submit(spec.target(), args, kwargs, self.timeout_s)
+                workers = self._processes if self.in_process(spec) else self._threads
+                fn = spec if workers is self._processes else spec.target()
+                future, queued = workers.submit(fn, args, kwargs, self.timeout_s)
                 ok, value = await asyncio.wait_for(future, self.timeout_s)
                 if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
                     queued = None
                     ok, value = await asyncio.wait_for(_guarded_await(value), self.timeout_s)
         except asyncio.CancelledError:
             if queued is not None:  # the driver is stopping: a call not yet started is not started
-                self._threads.forget(queued)
+                workers.forget(queued)
             raise
         except asyncio.TimeoutError:
             if queued is not None:
-                self._threads.abandon(queued)
+                workers.abandon(queued)
             raise RewardFailure(f"timed out after {self.field}={self.timeout_s:g} s") from None
         except (Exception, SystemExit) as err:  # calling an async function may itself raise
-            raise RewardFailure(_failure_text(err)) from None
+            raise RewardFailure(failure_text(err)) from None
         if not ok:
             raise RewardFailure(value)
         return value
 
     def shutdown(self) -> None:
-        """Take no more calls (a later one raises RuntimeError); queued and running ones finish on their threads
-        (calls whose callers were cancelled are dropped before they start)."""
+        """Take no more calls (a later one raises RuntimeError); queued and running ones finish on their threads or
+        processes (calls whose callers were cancelled are dropped before they start)."""
         self._threads.shutdown()
+        self._processes.shutdown()
 
 
 class InlineRunner:
@@ -185,7 +105,7 @@ class InlineRunner:
 
     async def call(self, spec: RewardFunction, args: tuple, kwargs: dict) -> Any:
         """The function's value; RewardFailure when it raises or exits."""
-        ok, value = _guarded_call(spec.target(), args, kwargs)
+        ok, value = guarded_call(spec.target(), args, kwargs)
         if ok and inspect.isawaitable(value):
             ok, value = await _guarded_await(value)
         if not ok:
