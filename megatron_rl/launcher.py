@@ -43,6 +43,7 @@ from megatron_rl.rollout.teacher import TeacherScorer, check_teacher, teacher_sp
 from megatron_rl.run_state import (
     ABANDONED,
     ResumeError,
+    check_save_dir,
     checkpoint_steps,
     read_run_state,
     refuse_used_run_dir,
@@ -215,6 +216,7 @@ async def _stop_generation(driver, supervisor, tasks: list[asyncio.Task]) -> Non
 
 def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from and its run state, or (None, None) for a fresh start."""
+    check_save_dir(cfg.checkpoint.save_dir)
     if not cfg.checkpoint.resume:
         refuse_used_save_dir(cfg.checkpoint.save_dir)  # a crash before the first save would leave the old `latest`
         return None, None
@@ -351,6 +353,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
     if cfg.distill.teacher == "hf":
         check_teacher(hf_path, cfg.distill.teacher_path)  # before any engine starts: refused at start-up
     task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
+    task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties against the engines' limit, now
     truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end
     (run_dir / "config.yaml").write_text(dump_config(cfg))

@@ -161,6 +161,25 @@ def refuse_used_save_dir(save_dir: str | Path) -> None:
         )
 
 
+def check_save_dir(save_dir: str | Path) -> None:
+    """Raise ResumeError unless `save_dir` is, or can be made, a folder this process can write in: a path that
+    cannot hold checkpoints would otherwise fail only at the run's first save (with the default interval, after
+    its last step)."""
+    if not save_dir:
+        return
+    path = Path(save_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ResumeError(
+            f"checkpoint.save_dir={str(save_dir)!r} cannot hold checkpoints: {type(err).__name__}: "
+            f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}"
+        ) from None
+
+
 def is_due(step: int, interval: int, last_step: int) -> bool:
     """Whether the checkpoint of `step` is taken: every `interval` steps and after the last one (0: last only)."""
     return step == last_step or (interval > 0 and step % interval == 0)
@@ -178,8 +197,16 @@ def read_run_state(folder: str | Path) -> dict:
         raise ResumeError(
             f"{path}: unreadable run state ({err}); {other_checkpoints(Path(folder).parent, folder)}"
         ) from None
+    if not isinstance(state, dict):
+        raise ResumeError(f"{path}: a run state is a JSON object, not a {type(state).__name__}")
     if state.get("format") != RUN_STATE_FORMAT:
         raise ResumeError(f"{path}: run-state format {state.get('format')!r}, this code reads {RUN_STATE_FORMAT}")
+    step, buffer = state.get("step"), state.get("buffer")
+    if type(step) is not int or step < 0 or not (buffer is None or isinstance(buffer, dict)):
+        raise ResumeError(
+            f"{path}: 'step' must be a step number and 'buffer' an object or null (got {step!r} and a "
+            f"{type(buffer).__name__}); {other_checkpoints(Path(folder).parent, folder)}"
+        )
     return state
 
 

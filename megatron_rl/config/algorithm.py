@@ -107,3 +107,21 @@ class AlgorithmConfig(Section):
                 " add any newer algorithm field (e.g. is_normalizer: all) to take the product"
             )
         return data
+
+    @model_validator(mode="after")
+    def _on_policy_tokens_kept(self) -> AlgorithmConfig:
+        # An on-policy token has ratio 1: bounds that exclude 1 would mask or veto every token of every batch.
+        masks = self.correction.endswith("mis")
+        low = self.is_cap_low if self.is_cap_low is not None else (1.0 / self.is_cap if masks else 0.0)
+        if self.is_cap_low is not None and self.is_cap_low > self.is_cap:
+            raise ValueError(f"is_cap_low={self.is_cap_low} must be at most is_cap={self.is_cap}")
+        if masks and not low <= 1.0 <= self.is_cap:
+            raise ValueError(
+                f"correction={self.correction} keeps ratios in [{low:g}, {self.is_cap:g}] (is_cap_low, is_cap), which"
+                " leaves out 1: every on-policy token would be masked"
+            )
+        if self.veto_max is not None and self.veto_max <= 1.0:
+            raise ValueError(f"veto_max={self.veto_max} must be above 1: every on-policy sequence would be vetoed")
+        if self.veto_min is not None and self.veto_min >= 1.0:
+            raise ValueError(f"veto_min={self.veto_min} must be below 1: every on-policy sequence would be vetoed")
+        return self

@@ -6,7 +6,7 @@ import ipaddress
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, NonNegativeInt, field_validator
 
 from megatron_rl.config.base import Section
 
@@ -50,7 +50,7 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(600.0, gt=0)
     """Longest one prompt's responses (all its samples) may take on an engine; past it they count as an engine
     failure and the prompt is requeued."""
-    cpu_affinity: list[int] = Field(default_factory=list)
+    cpu_affinity: list[NonNegativeInt] = Field(default_factory=list)
     """CPU cores the engine processes run on (empty: all)."""
     cpu_batch_scheduling: bool = True
     """On a CPU host, run the engines under Linux's SCHED_BATCH policy: their threads' wake-ups do not preempt the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, NonNegativeInt, model_validator
 
 from megatron_rl.config.base import Section
 
@@ -95,7 +95,7 @@ class TrainerConfig(Section):
         """The timeout of the trainer's collectives: `timeout_s` plus `COLLECTIVE_TIMEOUT_MARGIN_S`."""
         return self.timeout_s + COLLECTIVE_TIMEOUT_MARGIN_S
 
-    cpu_affinity: list[int] = Field(default_factory=list)
+    cpu_affinity: list[NonNegativeInt] = Field(default_factory=list)
     """CPU cores the trainer processes run on (empty: all); benchmarks pin trainer and engines apart."""
     cpu_batch_scheduling: bool = True
     """On a CPU host, run the trainer's ranks under Linux's SCHED_BATCH policy: their threads' wake-ups (gloo's

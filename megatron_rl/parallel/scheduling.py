@@ -40,10 +40,18 @@ def use_batch_scheduling() -> int:
     return switched
 
 
-def place_process(cores: list[int], batch_scheduling: bool) -> None:
-    """Run this process on `cores` (empty: where it runs now) and, when `batch_scheduling`, under SCHED_BATCH:
-    what a trainer rank or an engine does before its process groups and threads exist (they inherit both)."""
+def place_process(cores: list[int], batch_scheduling: bool, field: str = "cpu_affinity") -> None:
+    """Run this process on `cores` (empty: where it runs now; `field` names them in the error) and, when
+    `batch_scheduling`, under SCHED_BATCH: what a trainer rank or an engine does before its process groups and
+    threads exist (they inherit both)."""
     if cores:
-        os.sched_setaffinity(0, set(cores))
+        try:
+            os.sched_setaffinity(0, set(cores))
+        except (OSError, ValueError) as err:
+            usable = sorted(os.sched_getaffinity(0))
+            raise ValueError(
+                f"{field}={sorted(set(cores))}: this process cannot run there ({err}); the cores it may use here: "
+                + ", ".join(map(str, usable))
+            ) from None
     if batch_scheduling:
         use_batch_scheduling()

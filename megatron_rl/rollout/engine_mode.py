@@ -122,7 +122,7 @@ def prepare_engine_process(spec, on_gpu: bool) -> None:
     """Ready this process (an engine actor's) for vLLM before it starts, as the engine of `spec` (an `EngineSpec`)
     asks: the environment vLLM reads at import and start (set where unset), the cores, the scheduling policy; vLLM's
     threads and processes inherit all three."""
-    place_process(spec.cpu_affinity, spec.cpu_batch_scheduling and not on_gpu)
+    place_process(spec.cpu_affinity, spec.cpu_batch_scheduling and not on_gpu, "rollout.cpu_affinity")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.cpu_kv_cache_gb))
     # vLLM logs to stdout by default; Ray forwards that to the driver's stdout, where reports go.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

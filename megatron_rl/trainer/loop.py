@@ -401,7 +401,11 @@ def main(spec_path: str) -> None:
     `--external-trainer`, in which case the spec file may not exist yet)."""
     spec = json.loads(wait_for_file(Path(spec_path), float(os.environ.get("MRL_SPEC_WAIT_S", "900"))).read_text())
     cfg = RunConfig.model_validate(spec["config"])
-    place_process(cfg.trainer.cpu_affinity, cfg.trainer.cpu_batch_scheduling and not torch.cuda.is_available())
+    place_process(
+        cfg.trainer.cpu_affinity,
+        cfg.trainer.cpu_batch_scheduling and not torch.cuda.is_available(),
+        "trainer.cpu_affinity",
+    )
     try:
         run_loop(cfg, spec)
     except BaseException as err:

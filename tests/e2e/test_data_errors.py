@@ -111,6 +111,14 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
             [*verl, "task.answer_key=reward_model.ground_truth", "trainer.parallel.ep=3"],
             "trainer.parallel.ep=3: the model's experts (8) is not divisible by 3",
         ),
+        "save_dir": (  # failed at the run's first save: with the default interval, after its last step
+            [*verl, "task.answer_key=reward_model.ground_truth", f"checkpoint.save_dir={template}"],
+            f"checkpoint.save_dir='{template}' cannot hold checkpoints: FileExistsError: File exists ({template})",
+        ),
+        "overlong": (  # failed once the engines and the trainer were up
+            [*verl, "task.answer_key=reward_model.ground_truth", "task.overlong_penalty.buffer_tokens=100"],
+            "task.overlong_penalty: overlong penalty: buffer_tokens=100 must be in 1..max_tokens=8",
+        ),
     }
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps([_base(tmp_path, name) + args for name, (args, _) in cases.items()]))

@@ -55,11 +55,30 @@ def test_dotted_overrides_apply_with_yaml_types():
         ("sync.bind_host='not a host!!'", "sync.bind_host: must be an IP address, a host name .* or 'auto'"),
         ("name=../..", "name: must be a folder name .*no '/' and not '..'"),
         ("name=a/b", "name: must be a folder name"),
+        ("algorithm.is_cap_low=3", "algorithm: is_cap_low=3.0 must be at most is_cap=2.0"),
+        ("algorithm.veto_max=0.5", "algorithm: veto_max=0.5 must be above 1: every on-policy sequence"),
+        ("algorithm.veto_min=5", "algorithm: veto_min=5.0 must be below 1"),
+        ("algorithm.is_cap=0.5", None),  # a truncation below 1 only scales the weights
+        ("algorithm.correction=seq_mis", None),
+        ("trainer.cpu_affinity=[0,-1]", "trainer.cpu_affinity.1: Input should be greater than or equal to 0"),
+        ("rollout.cpu_affinity=[-2]", "rollout.cpu_affinity.0: Input should be greater than or equal to 0"),
     ],
 )
 def test_errors_name_field_value_and_allowed(override, message):
+    if message is None:  # accepted
+        load_config(None, [override])
+        return
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("correction", ["mis", "seq_mis", "geo_mis"])
+def test_masking_bounds_that_leave_out_an_on_policy_ratio_are_refused(correction):
+    with pytest.raises(ConfigError, match=f"correction={correction} keeps ratios in \\[2, 0.5\\] .* leaves out 1"):
+        load_config(None, [f"algorithm.correction={correction}", "algorithm.is_cap=0.5"])
+    with pytest.raises(ConfigError, match=r"keeps ratios in \[1.5, 2\]"):
+        load_config(None, [f"algorithm.correction={correction}", "algorithm.is_cap_low=1.5"])
+    load_config(None, [f"algorithm.correction={correction}", "algorithm.is_cap=1", "algorithm.is_cap_low=1"])
 
 
 def test_override_syntax_errors():

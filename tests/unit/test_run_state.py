@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from megatron_rl.rollout.control import RunControl
 from megatron_rl.rollout.driver import request_seed
 from megatron_rl.run_state import (
     ResumeError,
+    check_save_dir,
     is_due,
     latest_checkpoint,
     mark_latest,
@@ -52,6 +54,34 @@ def test_run_state_of_another_format_is_refused(tmp_path):
     (tmp_path / "run_state.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(ResumeError, match="format 99"):
         read_run_state(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "state, says",
+    [
+        ([1, 2], "a run state is a JSON object, not a list"),
+        ({"format": 1, "buffer": None}, "'step' must be a step number and 'buffer' an object or null \\(got None"),
+        ({"format": 1, "step": "two", "buffer": None}, "got 'two' and a NoneType"),
+        ({"format": 1, "step": 2, "buffer": [3]}, "got 2 and a list"),
+    ],
+)
+def test_a_malformed_run_state_is_refused_naming_the_file(tmp_path, state, says):
+    folder = step_dir(tmp_path, 2)
+    folder.mkdir()
+    (folder / "run_state.json").write_text(json.dumps(state))
+    with pytest.raises(ResumeError, match=f"{re.escape(str(folder / 'run_state.json'))}: .*{says}"):
+        read_run_state(folder)
+
+
+def test_a_save_dir_that_cannot_hold_checkpoints_is_refused_at_start(tmp_path):
+    check_save_dir("")
+    check_save_dir(tmp_path / "new" / "deeper")  # made, and writable
+    assert (tmp_path / "new" / "deeper").is_dir() and not list((tmp_path / "new" / "deeper").iterdir())
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ResumeError, match=r"checkpoint.save_dir='.*a_file' cannot hold checkpoints: FileExistsError"):
+        check_save_dir(tmp_path / "a_file")
+    with pytest.raises(ResumeError, match=r"cannot hold checkpoints: NotADirectoryError"):
+        check_save_dir(tmp_path / "a_file" / "below")
 
 
 def test_rng_round_trip(tmp_path):

@@ -111,3 +111,13 @@ def test_threads_started_while_the_listing_is_walked_are_switched_too(monkeypatc
     monkeypatch.setattr(scheduling.os, "listdir", lambda path: next(listings, last))
     monkeypatch.setattr(scheduling.os, "sched_setscheduler", lambda tid, policy, param: calls.append(tid))
     assert scheduling.use_batch_scheduling() == 3 and calls == [11, 12, 13]  # each once
+
+
+def test_cores_a_process_cannot_use_are_refused_naming_the_field():
+    from megatron_rl.parallel import scheduling
+
+    before = os.sched_getaffinity(0)
+    message = r"rollout.cpu_affinity=\[4096\]: this process cannot run there .* may use here: "
+    with pytest.raises(ValueError, match=message):
+        scheduling.place_process([4096], False, "rollout.cpu_affinity")
+    assert os.sched_getaffinity(0) == before

@@ -187,5 +187,11 @@ def test_make_task_errors(tokenizer):
         make_task(TaskConfig.model_construct(name="nope", reward="", rewards=[]), tokenizer)
     with pytest.raises(TaskError, match=r"task.overlong_penalty: .*buffer_tokens=9 must be in 1..max_tokens=8"):
         make_task(TaskConfig(overlong_penalty={"buffer_tokens": 9, "max_tokens": 8}), tokenizer)
+    task = make_task(TaskConfig(overlong_penalty={"buffer_tokens": 4}), tokenizer)
+    with pytest.raises(TaskError, match=r"task.overlong_penalty: .*buffer_tokens=4 must be in 1..max_tokens=2"):
+        task.set_response_limit(2)  # max_tokens 0: the engines' limit, known at start-up (launcher.prepare_run)
+    task = make_task(TaskConfig(overlong_penalty={"buffer_tokens": 4, "max_tokens": 100}), tokenizer)
+    with pytest.raises(TaskError, match=r"max_tokens=100 is above rollout.max_new_tokens=8: .* never apply"):
+        task.set_response_limit(8)
     with pytest.raises(TaskError, match="cannot tell how to call it"):
         make_task(TaskConfig(reward="json:dumps"), tokenizer)

@@ -39,6 +39,11 @@ def shapers(cfg: TaskConfig, max_new_tokens: int) -> list[Callable[[int], float]
     `max_tokens` of 0."""
     out: list[Callable[[int], float]] = []
     over, length = cfg.overlong_penalty, cfg.length_penalty
+    if over.buffer_tokens and over.max_tokens > max_new_tokens:
+        raise TaskError(
+            f"task.overlong_penalty.max_tokens={over.max_tokens} is above rollout.max_new_tokens={max_new_tokens}: no"
+            " response is that long, so the penalty would never apply (0: the engines' limit)"
+        )
     try:
         if over.buffer_tokens:
             out.append(OverlongPenalty(over.buffer_tokens, over.max_tokens or max_new_tokens, over.factor))
