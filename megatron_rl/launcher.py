@@ -25,6 +25,7 @@ from megatron_rl.metrics.evals import EVAL_FILE
 from megatron_rl.metrics.logger import is_step_record, read_metrics
 from megatron_rl.metrics.plots import plot_report, plot_reward_curve
 from megatron_rl.models import get_family, read_hf_config
+from megatron_rl.models.base import CheckpointError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import layout_from_config
@@ -350,6 +351,11 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
     check_checkpoint_names(HFCheckpoint(hf_path), get_family(arch.family).rule_table(arch))  # layout, tensors, dtypes
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_path": hf_path})})
     tokenizer = load_tokenizer(hf_path)
+    if len(tokenizer) > arch.vocab_size:
+        raise CheckpointError(
+            f"{hf_path}: its tokenizer has {len(tokenizer)} tokens, config.json's vocab_size is {arch.vocab_size}: the"
+            " tokens past it have no embedding"
+        )
     if cfg.distill.teacher == "hf":
         check_teacher(hf_path, cfg.distill.teacher_path)  # before any engine starts: refused at start-up
     task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)

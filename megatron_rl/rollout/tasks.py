@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config.task import DatasetConfig, TaskConfig
+from megatron_rl.models.base import CheckpointError
 from megatron_rl.rollout.data import DatasetSource, Mixture, chat_template_text, encode
 from megatron_rl.rollout.rewards import (
     InlineRunner,
@@ -47,10 +48,22 @@ FAILURE_LOG_SIZE = 100  # recent reward failures kept in full; the counts are al
 
 
 def load_tokenizer(path: str | Path):
-    """Load the tokenizer of a HF checkpoint folder (the same one vLLM serves)."""
+    """Load the tokenizer of a HF checkpoint folder (the same one vLLM serves); CheckpointError naming the folder
+    when it cannot be loaded, or when what loads holds no vocabulary (a folder without its tokenizer files gets
+    a tokenizer of one token from transformers, which encodes every prompt as nothing)."""
     from transformers import AutoTokenizer  # seconds to import; the buffer actor uses this module without it
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # transformers' and tokenizers' own messages do not name the folder
+        why = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(f"{path}: cannot load its tokenizer: {type(err).__name__}: {why}") from None
+    if len(tokenizer) < 2:
+        raise CheckpointError(
+            f"{path}: its tokenizer holds {len(tokenizer)} token(s): are tokenizer.json / tokenizer_config.json "
+            "(or the vocabulary files they name) missing?"
+        )
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -59,6 +59,12 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.layers.0.self_attn.k_proj.weight"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    untokenized = make_tiny("qwen3_moe", tmp_path / "untokenized")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (untokenized / name).unlink()
+    small_vocab = make_tiny("qwen3_moe", tmp_path / "small_vocab")
+    config = json.loads((small_vocab / "config.json").read_text())
+    (small_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
     cases = {
         "missing": ([f"task.path={missing}"], f"dataset file '{missing}' does not exist"),
         "utf8": (
@@ -110,6 +116,26 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
         "layout": (
             [*verl, "task.answer_key=reward_model.ground_truth", "trainer.parallel.ep=3"],
             "trainer.parallel.ep=3: the model's experts (8) is not divisible by 3",
+        ),
+        "no_tokenizer": (  # transformers gave a tokenizer of one token: every prompt encoded as nothing
+            [
+                *verl,
+                "task.answer_key=reward_model.ground_truth",
+                f"model.hf_path={untokenized}",
+                "model.make_tiny=false",
+            ],
+            f"{untokenized}: its tokenizer holds 1 token(s): are tokenizer.json / tokenizer_config.json (or the "
+            "vocabulary files they name) missing?",
+        ),
+        "vocab": (
+            [
+                *verl,
+                "task.answer_key=reward_model.ground_truth",
+                f"model.hf_path={small_vocab}",
+                "model.make_tiny=false",
+            ],
+            f"{small_vocab}: its tokenizer has 512 tokens, config.json's vocab_size is 256: the tokens past it have no "
+            "embedding",
         ),
         "save_dir": (  # failed at the run's first save: with the default interval, after its last step
             [*verl, "task.answer_key=reward_model.ground_truth", f"checkpoint.save_dir={template}"],

@@ -400,3 +400,19 @@ def test_a_folder_of_data_files_with_a_broken_jsonl_names_the_file_and_line(tmp_
     where = f"dataset '{folder}': cannot load it: {folder / 'b.jsonl'} line 2 \\(row 1\\), column 25: not valid JSON"
     with pytest.raises(TaskError, match=where):
         make_task(TaskConfig(name="dataset", path=str(folder)), tokenizer)
+
+
+def test_a_tokenizer_that_cannot_load_or_holds_no_vocabulary_is_refused_naming_the_folder(tmp_path):
+    from megatron_rl.models.base import CheckpointError
+    from megatron_rl.rollout.tasks import load_tokenizer
+
+    save_tokenizer(tmp_path)
+    assert len(load_tokenizer(tmp_path)) > 2
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0",\n')  # cut short
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(tmp_path))}: cannot load its tokenizer: .*Error"):
+        load_tokenizer(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(tmp_path / "tokenizer_config.json", empty)  # names a tokenizer class, but no vocabulary
+    with pytest.raises(CheckpointError, match=r"empty: cannot load its tokenizer: ValueError: Couldn't instantiate"):
+        load_tokenizer(empty)  # (no tokenizer file at all gives a tokenizer of 1 token: tests/e2e/test_data_errors.py)
