@@ -268,7 +268,7 @@ def run_training(
     launcher_log = output.to_file(log_dir) if output is not None else None
     spec_path = run_dir / "trainer_spec.json"
     spec_path.unlink(missing_ok=True)  # an external trainer must not start from a previous run's spec
-    cfg, tokenizer, task, resume_from, run_state = prepare_run(cfg, run_dir)
+    cfg, tokenizer, task, resume_from, run_state, eval_set = prepare_run(cfg, run_dir)
     hf_path = cfg.model.hf_path
     start = time.perf_counter()
     if ray_address:
@@ -305,7 +305,7 @@ def run_training(
             hang_timeout_s=cfg.rollout.hang_timeout_s, restart_timeout_s=cfg.rollout.restart_timeout_s,
         )  # fmt: skip
         follower = MetricsFollower(run_dir / "metrics.jsonl", cfg.steps, console)
-        evaluation = eval_runner(cfg, task, tokenizer, driver, run_dir, console)
+        evaluation = eval_runner(cfg, eval_set, tokenizer, driver, run_dir, console)
         asyncio.run(_drive(driver, supervisor, job, on_poll=functools.partial(_poll, follower, evaluation, driver)))
         follower.poll()
         job.check()
@@ -341,9 +341,10 @@ def stop_engines(pools: list[EnginePool], ray_temp_dir: str | None, log_dir: Pat
 
 
 def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
-    """The model (made when asked), tokenizer, task and resume point; then, start-up having succeeded, the run
-    folder's metrics cut to the resumed step (all of them for a fresh run) and its config written.
-    Returns (config with the model's path, tokenizer, task, checkpoint to resume from, its run state)."""
+    """The model (made when asked), tokenizer, task, resume point and evaluation prompts; then, start-up having
+    succeeded, the run folder's metrics cut to the resumed step (all of them for a fresh run) and its config
+    written. Returns (config with the model's path, tokenizer, task, checkpoint to resume from, its run state,
+    the evaluation prompts or None)."""
     resume_from, run_state = resume_point(cfg)
     check_learns(cfg)
     hf_path = ensure_model(cfg)
@@ -360,25 +361,35 @@ def prepare_run(cfg: RunConfig, run_dir: Path) -> tuple:
         check_teacher(hf_path, cfg.distill.teacher_path)  # before any engine starts: refused at start-up
     task = make_task(cfg.task, tokenizer, seed=cfg.task.seed, length=cfg.task.length)
     task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties against the engines' limit, now
+    eval_set = eval_prompts(cfg, task, tokenizer)
     truncate_metrics(run_dir / "metrics.jsonl", run_state["step"] if run_state else 0)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    return cfg, tokenizer, task, resume_from, run_state
+    return cfg, tokenizer, task, resume_from, run_state, eval_set
 
 
-def eval_runner(cfg: RunConfig, task, tokenizer, driver, run_dir: Path, console: Console) -> EvalRunner | None:
-    """The evaluations of the run (`eval.interval`; None without): the validation datasets' prompts
-    (`task.eval_datasets`), or a generated task's held-out prompts, scored by the training reward."""
-    if not cfg.eval.interval:
-        return None
+def eval_prompts(cfg: RunConfig, task, tokenizer) -> list[dict] | None:
+    """The prompts the run evaluates on (None without `eval.interval`): the validation datasets' (`task.
+    eval_datasets`, read and checked whenever given, so that bad eval data fails at start-up), or a generated
+    task's held-out prompts; UserError when evaluation is asked for and there is nothing to evaluate on."""
     limit = cfg.eval.max_prompts
     prompts = make_eval_prompts(cfg.task, tokenizer)[:limit] if cfg.task.eval_datasets else None
+    if not cfg.eval.interval:
+        return None
     if prompts is None:
         prompts = generated_eval_prompts(task, limit or 32) if isinstance(task, tuple(BUILTIN_TASKS.values())) else []
     if not prompts:
         raise UserError(
             "eval.interval is set but there is nothing to evaluate on: give task.eval_datasets (see docs/data.md)"
         )
+    return prompts
+
+
+def eval_runner(cfg: RunConfig, prompts, tokenizer, driver, run_dir: Path, console: Console) -> EvalRunner | None:
+    """The evaluations of the run on `prompts` (`eval_prompts`; None: no evaluation), scored by the training
+    reward."""
+    if prompts is None:
+        return None
     (run_dir / EVAL_FILE).unlink(missing_ok=True)  # an earlier run's results
     evaluator = Evaluator(driver.engines, driver.down, prompts, tokenizer, driver.score, cfg.eval, cfg.rollout)
     return EvalRunner(evaluator, run_dir / EVAL_FILE, cfg.steps, cfg.eval.timeout_s, say=console.say)

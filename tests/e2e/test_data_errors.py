@@ -54,6 +54,7 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
     exits = _file(tmp_path, "exit_reward.py", b"import sys\nsys.exit(4)\n")
     template = _file(tmp_path, "chat.jinja", TEMPLATE.encode())
     missing = str(tmp_path / "none.jsonl")
+    no_answer = _file(tmp_path, "no_answer.jsonl", b'{"prompt": "What is 2 + 2?"}\n')
     verl = [f"task.path={VERL}", f"task.chat_template={template}"]
     broken = make_tiny("qwen3_moe", tmp_path / "broken")
     tensors = load_file(broken / "model.safetensors")
@@ -136,6 +137,15 @@ def test_every_bad_input_is_one_line_naming_where(tmp_path):
             ],
             f"{small_vocab}: its tokenizer has 512 tokens, config.json's vocab_size is 256: the tokens past it have no "
             "embedding",
+        ),
+        "eval_column": (  # was found once Ray, the engines and torchrun were up; ignored without eval.interval
+            [*verl, "task.answer_key=reward_model.ground_truth", f"task.eval_datasets=[{{path: {no_answer}}}]"],
+            f"{no_answer}: no column 'reward_model.ground_truth' (columns: prompt); set task.answer_key (dots reach "
+            "nested columns, as in reward_model.ground_truth)",
+        ),
+        "eval_nothing": (
+            [*verl, "task.answer_key=reward_model.ground_truth", "eval.interval=1"],
+            "eval.interval is set but there is nothing to evaluate on: give task.eval_datasets (see docs/data.md)",
         ),
         "save_dir": (  # failed at the run's first save: with the default interval, after its last step
             [*verl, "task.answer_key=reward_model.ground_truth", f"checkpoint.save_dir={template}"],
