@@ -96,8 +96,9 @@ class TaskConfig(Section):
     reward_isolation: Literal["auto", "thread", "process"] = "auto"
     """Where plain reward functions run: "thread" (cheap, but a call past reward_timeout_s keeps running, and one
     that holds the GIL in a long C call stalls the whole driver), "process" (a call past its time is killed with
-    its process; arguments and results must pickle), "auto": processes for the math-verify reward (`math`, the
-    datasets' default: sympy can spend minutes in one C call on a response such as 9^{9^{9}}), threads otherwise."""
+    its process; arguments and results must pickle), "auto": processes for math-verify's reward (`math` or
+    `megatron_rl.rollout.tasks:math_reward`, the datasets' default: sympy can spend minutes in one C call on a
+    response such as 9^{9^{9}}), threads otherwise."""
     prompt_key: str = "prompt"
     """Dataset column holding the prompt (text, or chat messages rendered with the chat template)."""
     answer_key: str = "answer"

@@ -100,6 +100,7 @@ class GenerationDriver:
         self._rewards = RewardRunner(cfg.task.reward_timeout_s, workers=2, isolation=cfg.task.reward_isolation)
         if task is not None:
             task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties' default max_tokens
+            self._rewards.start(task.reward_set().functions)  # reward processes, where any, start with the engines
         self._claim_lock = asyncio.Lock()
         self._claimed: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         """Engine -> prompts claimed for its workers, not taken by one yet: (index, record, burst)."""

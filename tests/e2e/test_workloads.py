@@ -74,7 +74,12 @@ def test_two_steps_on_a_verl_parquet_and_a_trl_jsonl_with_verl_and_trl_rewards(t
         "task.reward_isolation=process",  # the file's functions loaded again in the reward processes, run there
     ]  # fmt: skip
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, stderr = launcher.communicate(timeout=900)
+    try:
+        _, stderr = launcher.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        launcher.communicate()
+        raise
     assert launcher.returncode == 0, stderr[-4000:]
     run_dir = tmp_path / "quickstart"
     assert len(read_metrics(run_dir / "metrics.jsonl")) == 2

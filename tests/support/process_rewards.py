@@ -22,3 +22,36 @@ def returns_a_lambda(response, answer, sample=None):
 async def async_exact(response, answer, sample=None):
     """An async reward: it stays on the event loop."""
     return exact(response, answer)
+
+
+def _refuse_to_load():
+    raise ValueError("not here")
+
+
+class RefusesToLoad:
+    """Pickles in the reward process, but raises where it is read back."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
+
+
+class RefusesToPickle:
+    """Raises ValueError (not a pickling error) when pickled."""
+
+    def __reduce__(self):
+        raise ValueError("no pickling this")
+
+
+def returns_refuses_to_load(response, answer, sample=None):
+    """A value whose unpickling raises in the driver's process."""
+    return RefusesToLoad()
+
+
+def returns_a_coroutine(response, answer, sample=None):
+    """A plain function whose value is a coroutine (as a sync wrapper of an async judge may return)."""
+    return async_exact(response, answer)
+
+
+def half(response, answer, sample=None):
+    """0.5 for any response (a second function to give the same reward name)."""
+    return 0.5

@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,13 +20,40 @@ from megatron_rl.config import TaskConfig
 from megatron_rl.models.tiny import build_tokenizer
 from megatron_rl.rollout.rewards import RewardRunner, RewardSet, describe, load_reward, math_reward
 from megatron_rl.rollout.tasks import make_task
-from tests.support.process_rewards import async_exact, exact, holds_the_gil, returns_a_lambda
+from tests.support.process_rewards import (
+    RefusesToPickle,
+    async_exact,
+    exact,
+    half,
+    holds_the_gil,
+    returns_a_coroutine,
+    returns_a_lambda,
+    returns_refuses_to_load,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def _score(runner, fn, responses, answer="1", source=""):
-    spec = describe(fn, fn.__name__ if callable(fn) else fn, source=source or fn.__name__)
+def _score(runner, fn, responses, answer="1", source="", name="", samples=None):
+    spec = describe(fn, name or fn.__name__, source=source or fn.__name__)
     records = [{"answer": answer, "source": "t.jsonl:0"}] * len(responses)
-    return asyncio.run(RewardSet([spec]).score(responses, records, [None] * len(responses), runner))
+    return asyncio.run(RewardSet([spec]).score(responses, records, samples or [None] * len(responses), runner))
+
+
+def _gone(pids: list[int], within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 def test_a_reward_holding_the_gil_is_killed_at_its_time_while_the_loop_runs_on():
@@ -52,6 +83,19 @@ def test_a_reward_holding_the_gil_is_killed_at_its_time_while_the_loop_runs_on()
     assert runner.stuck_threads == 1
     runner.timeout_s = 60
     assert [s.reward for s in _score(runner, exact, ["1"])] == [1.0]  # a new process took the killed one's place
+
+    async def cancelled():  # a stopping driver cancels its calls: a running one is killed with its process
+        task = asyncio.ensure_future(RewardSet([spec]).score(["1"], [{"answer": "1"}], [None], runner))
+        await asyncio.sleep(1.0)
+        busy = [child.pid for child in multiprocessing.active_children()]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return busy
+
+    busy = asyncio.run(cancelled())
+    assert busy and _gone(busy, 5.0)
+    assert [s.reward for s in _score(runner, exact, ["1"])] == [1.0]
     children = multiprocessing.active_children()
     runner.shutdown()
     deadline = time.monotonic() + 10
@@ -114,6 +158,8 @@ def test_where_each_reward_runs():
     plain, coroutine = describe(exact, "exact"), describe(async_exact, "async_exact")
     auto, threads, processes = (RewardRunner(1.0, isolation=mode) for mode in ("auto", "thread", "process"))
     assert [auto.in_process(s) for s in (math_spec, plain, coroutine)] == [True, False, False]
+    named = "megatron_rl.rollout.tasks:math_reward"  # as the shipped MoE configs name it
+    assert auto.in_process(describe(load_reward(named), "math", source=named))
     assert [threads.in_process(s) for s in (math_spec, plain, coroutine)] == [False, False, False]
     assert [processes.in_process(s) for s in (math_spec, plain, coroutine)] == [True, True, False]
     with pytest.raises(ValueError, match="reward isolation 'threads': expected one of auto, thread, process"):
@@ -127,3 +173,61 @@ def test_where_each_reward_runs():
     for runner in (auto, threads, processes):
         runner.shutdown()  # none started a thread or a process
         assert runner._threads._threads == 0 and runner._processes._threads == 0
+
+
+def test_a_busy_reward_process_dies_with_the_launcher():
+    """SIGTERM to the driver's process skips multiprocessing's exit handler: the kernel's parent-death signal
+    ends a reward process busy in a call that would run for minutes."""
+    script = (
+        "import asyncio, multiprocessing\n"
+        "from megatron_rl.rollout.rewards import RewardRunner, RewardSet, describe\n"
+        "from tests.support.process_rewards import holds_the_gil\n"
+        "async def main():\n"
+        "    runner = RewardRunner(timeout_s=600, workers=1, isolation='process')\n"
+        "    spec = describe(holds_the_gil, 'holds_the_gil')\n"
+        "    call = asyncio.ensure_future(RewardSet([spec]).score(['1'], [{'answer': '1'}], [None], runner))\n"
+        "    await asyncio.sleep(2)\n"
+        "    print(' '.join(str(c.pid) for c in multiprocessing.active_children()), flush=True)\n"
+        "    await call\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        assert pids and _state(pids[0]) == "R"  # summing
+        driver.send_signal(signal.SIGTERM)
+        driver.wait(10)
+        assert _gone(pids)
+    finally:
+        driver.kill()
+        driver.wait(10)
+
+
+def test_errors_of_any_kind_are_reasons_and_the_worker_serves_on():
+    """What used to end a worker's thread for good (leaving later calls to time out): a ValueError pickling an
+    argument, a value that raises where it is read back, a plain function returning a coroutine."""
+    runner = RewardRunner(timeout_s=60, workers=1, isolation="process")
+    scored = _score(runner, exact, ["1"], samples=[RefusesToPickle()])
+    assert "cannot be sent to a reward process (ValueError: no pickling this)" in scored[0].error
+    scored = _score(runner, returns_refuses_to_load, ["1"])
+    assert "its value cannot be read back (ValueError: not here)" in scored[0].error
+    assert [s.reward for s in _score(runner, returns_a_coroutine, ["1", "2"])] == [1.0, 0.0]
+    assert [s.reward for s in _score(runner, exact, ["1"])] == [1.0] and runner.stuck_threads == 0
+    # Two functions of one name (from different sources) are two functions there too.
+    assert [s.reward for s in _score(runner, half, ["1"], name="same", source="a:half")] == [0.5]
+    assert [s.reward for s in _score(runner, exact, ["1"], name="same", source="b:exact")] == [1.0]
+    runner.shutdown()
+
+
+def test_started_processes_have_loaded_their_functions_before_the_first_call():
+    runner = RewardRunner(timeout_s=60, workers=2)
+    spec = describe(math_reward, "math", source="math")
+    runner.start([spec, describe(exact, "exact")])  # only math's runs in a process under auto
+    deadline = time.monotonic() + 60
+    while len(multiprocessing.active_children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(3.0)  # their imports
+    runner.timeout_s = 1.0  # a call that had to start a process and import math-verify would not fit
+    assert [s.reward for s in _score(runner, math_reward, ["\\boxed{1}", "2"], source="math")] == [1.0, 0.0]
+    runner.shutdown()

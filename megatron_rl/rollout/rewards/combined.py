@@ -17,12 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl.rollout.rewards.calling import RewardFunction, outcome
-from megatron_rl.rollout.rewards.workers import DaemonWorkers, ProcessWorkers, failure_text, guarded_call
+from megatron_rl.rollout.rewards.math import basic_math_reward, math_reward, math_verify_reward
+from megatron_rl.rollout.rewards.processes import ProcessWorkers
+from megatron_rl.rollout.rewards.workers import DaemonWorkers, failure_text, guarded_call
 
 ISOLATIONS = ("auto", "thread", "process")
 """Where plain reward functions run (`task.reward_isolation`)."""
-PROCESS_REWARDS = ("math",)
-"""Rewards (as configured) that "auto" runs in processes: math-verify's sympy holds the GIL in long C calls."""
+PROCESS_REWARDS = (math_reward, math_verify_reward)
+"""The reward functions "auto" runs in processes: math-verify's sympy can hold the GIL in C calls for minutes."""
+SAMPLE_BLIND = (math_reward, math_verify_reward, basic_math_reward)
+"""Built-in rewards that never read their `sample` argument: a process is sent None in its place (a sample may
+hold megabytes of routes)."""
 
 
 class RewardFailure(Exception):
@@ -42,8 +47,8 @@ class RewardRunner:
     a failure; a thread cannot be stopped, so it is left to finish on its own and cannot keep the process from
     exiting; a process is killed and replaced.
 
-    `isolation`: "thread", "process", or "auto": processes for the rewards in `PROCESS_REWARDS` (math-verify's,
-    whose sympy can hold the GIL for minutes), threads for the rest."""
+    `isolation`: "thread", "process", or "auto": processes for the functions in `PROCESS_REWARDS` (math-verify's,
+    however the config names them), threads for the rest."""
 
     def __init__(
         self, timeout_s: float, workers: int = 2, field: str = "task.reward_timeout_s", isolation: str = "auto"
@@ -52,7 +57,7 @@ class RewardRunner:
             raise ValueError(f"reward isolation {isolation!r}: expected one of {', '.join(ISOLATIONS)}")
         self.timeout_s, self.field, self.isolation = timeout_s, field, isolation
         self._threads = DaemonWorkers(workers)
-        self._processes = ProcessWorkers(workers)  # no process starts before its first call
+        self._processes = ProcessWorkers(workers)  # no process starts before `start` or a first call
 
     @property
     def stuck_threads(self) -> int:
@@ -63,7 +68,14 @@ class RewardRunner:
         """Whether `spec`'s calls run in a reward process."""
         if spec.is_async or self.isolation == "thread":
             return False
-        return self.isolation == "process" or spec.source in PROCESS_REWARDS
+        return self.isolation == "process" or spec.target() in PROCESS_REWARDS
+
+    def start(self, functions: list[RewardFunction]) -> None:
+        """Start the reward processes now if any of `functions` runs in one (each process loads them), so that
+        no call's time goes to starting a process and importing its function."""
+        isolated = [spec for spec in functions if self.in_process(spec)]
+        if isolated:
+            self._processes.start(isolated)
 
     async def call(self, spec: RewardFunction, args: tuple, kwargs: dict) -> Any:
         """The function's value; RewardFailure when it raises, exits or times out."""
@@ -74,6 +86,8 @@ class RewardRunner:
             else:
                 workers = self._processes if self.in_process(spec) else self._threads
                 fn = spec if workers is self._processes else spec.target()
+                if workers is self._processes and spec.convention == "ours" and spec.target() in SAMPLE_BLIND:
+                    args = (*args[:2], None)  # (response, answer, sample)
                 future, queued = workers.submit(fn, args, kwargs, self.timeout_s)
                 ok, value = await asyncio.wait_for(future, self.timeout_s)
                 if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine

@@ -2,8 +2,10 @@
 symbolically), and a small parser of our own (the last `\\boxed{}` or number, compared numerically) used only where
 math-verify is not installed.
 
-math-verify bounds its parsing and comparison with `signal.alarm`, which works only in the main thread; rewards
-run in the driver's threads, so there its own timeouts are off and `task.reward_timeout_s` bounds the call.
+math-verify bounds its parsing and comparison with `signal.alarm`, which works only in a process's main thread:
+in the driver's reward processes (`rollout/rewards/processes.py`, where `task.reward_isolation: auto` runs these
+rewards) its own timeouts apply, on its reward threads they are off; `task.reward_timeout_s` bounds the call either
+way.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
-"""Where plain (not `async`) reward calls run, off the driver's event loop, each to be given up on at its time.
-
-- `DaemonWorkers`: threads. Cheap, but a call past its time cannot be stopped (its thread is written off), and a
-  reward that holds the GIL inside one C call stops every thread of the process, the event loop included, until
-  it returns: no timeout can fire meanwhile.
-- `ProcessWorkers`: processes. A call past its time is killed with its process, which is replaced. sympy under
-  math-verify is such a case: a response holding `9^{9^{9}}` has it raise an integer to a power of a billion
-  bits, minutes in one C call.
+"""Where plain (not `async`) reward calls run, off the driver's event loop, each to be given up on at its time:
+the queue and call bookkeeping they share, and `DaemonWorkers`, on threads. Cheap, but a call past its time cannot
+be stopped (its thread is written off), and a reward that holds the GIL inside one C call stops every thread of the
+process, the event loop included, until it returns: no timeout can fire meanwhile. `ProcessWorkers`
+(`rollout/rewards/processes.py`) runs them in processes instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
-import pickle
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-PROCESS_START_TIMEOUT_S = 120.0
-"""Longest a reward process may take to start and import the package before its thread gives up on it."""
-KILL_WAIT_S = 5.0
-"""How long to wait for a killed reward process to be reaped."""
 
 
 def failure_text(err: BaseException) -> str:
@@ -79,14 +68,19 @@ class _Workers:
         running loop) gets its (ok, value or why)."""
         if self._closed:
             raise RuntimeError("reward calls after the runner was shut down")
-        with self._lock:
-            if not self._threads:  # started on first use: a runner that never calls here costs nothing
-                for _ in range(self.count):
-                    self._start_thread()
+        self.ensure_started()
         loop = asyncio.get_running_loop()
         call = _Call(loop, loop.create_future(), fn, args, kwargs, time.monotonic() + timeout_s)
         self._calls.put(call)
         return call.future, call
+
+    def ensure_started(self) -> None:
+        """Start the threads if they are not running yet (on first use: a runner that never calls here costs
+        nothing)."""
+        with self._lock:
+            if not self._threads:
+                for _ in range(self.count):
+                    self._start_thread()
 
     def forget(self, call: _Call) -> None:
         """Drop `call` if it has not started (its caller was cancelled); a running one finishes."""
@@ -151,113 +145,3 @@ class DaemonWorkers(_Workers):
         while (call := self._take()) is not None:
             if not self._deliver(call, guarded_call(call.fn, call.args, call.kwargs)):
                 return  # written off: a new thread has this one's place
-
-
-class _Child:
-    """One reward process and the pipe to it; the functions it has been sent, by name."""
-
-    def __init__(self, context):
-        mine, theirs = context.Pipe()
-        self.process = context.Process(target=serve, args=(theirs,), name="megatron-rl-reward", daemon=True)
-        self.process.start()
-        theirs.close()
-        self.conn, self.known, self.doomed = mine, set(), False
-        if not self.conn.poll(PROCESS_START_TIMEOUT_S):  # its "ready": the package imported
-            self.kill()
-            raise RuntimeError(f"a reward process did not start within {PROCESS_START_TIMEOUT_S:g} s")
-        self.conn.recv()
-
-    def run(self, spec, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-        """Call reward `spec` (a `RewardFunction`) there; (ok, value or why)."""
-        first = spec.name not in self.known
-        try:
-            self.conn.send((spec.name, spec if first else None, args, kwargs))
-        except (pickle.PicklingError, TypeError, AttributeError) as err:  # nothing was written: the pipe is intact
-            return False, f"cannot be sent to a reward process ({type(err).__name__}: {err})"
-        self.known.add(spec.name)
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):  # killed (past its time: the caller gave up already) or crashed
-            self.kill()
-            return False, f"its reward process died (exit code {self.process.exitcode})"
-
-    def kill(self) -> None:
-        """End the process now (a reward holding the GIL ignores everything but SIGKILL)."""
-        self.process.kill()
-        self.process.join(KILL_WAIT_S)
-        self.conn.close()
-
-    @property
-    def alive(self) -> bool:
-        """Whether the process still runs."""
-        return self.process.is_alive()
-
-
-class ProcessWorkers(_Workers):
-    """Reward calls in `count` processes (spawned, each with a daemon thread here that feeds it). A call abandoned
-    while it runs is killed with its process; the thread starts a new one for its next call. The function travels
-    once per process (`RewardFunction` pickles a file's function by its file, which the process loads again)."""
-
-    def __init__(self, count: int):
-        super().__init__(count)
-        self._context = multiprocessing.get_context("spawn")  # not fork: the driver's process has Ray's threads
-        self._running: dict[int, _Child] = {}
-
-    def abandon(self, call: _Call) -> None:
-        """Give up on `call` (past its time): skipped if still queued, its process killed if running."""
-        if self._abandon(call):
-            self.stuck_threads += 1
-            child = self._running.get(id(call))
-            if child is not None:  # its thread sees the pipe close (or `doomed`) and starts another for its next call
-                child.doomed = True
-                child.process.kill()
-
-    def _work(self) -> None:
-        child = None
-        try:
-            while (call := self._take()) is not None:
-                try:
-                    if child is not None and (child.doomed or not child.alive):
-                        child.kill()  # reaped; a doomed one may have answered before its SIGKILL landed
-                        child = None
-                    if child is None:
-                        child = _Child(self._context)
-                except Exception as err:  # noqa: BLE001 (said in the call's result; the next call tries again)
-                    child = None
-                    self._deliver(call, (False, f"no reward process: {type(err).__name__}: {err}"))
-                    continue
-                self._running[id(call)] = child
-                with self._lock:  # abandoned before `abandon` could see its process: not run at all
-                    skip = call.state == "abandoned"
-                if not skip:
-                    self._deliver(call, child.run(call.fn, call.args, call.kwargs))
-                self._running.pop(id(call), None)
-        finally:
-            if child is not None and child.alive:
-                with contextlib.suppress(OSError):
-                    child.conn.send(None)  # its loop ends; a daemon process dies with this one anyway
-                child.conn.close()
-
-
-def serve(conn) -> None:
-    """A reward process's loop: (name, function spec or None once sent, args, kwargs) in, (ok, value) out."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the launcher decides
-    functions: dict[str, Callable | str] = {}  # by name: the function, or why it could not be loaded here
-    conn.send("ready")
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the driver's process is gone
-            return
-        if message is None:
-            return
-        name, spec, args, kwargs = message
-        if spec is not None:
-            ok, loaded = guarded_call(spec.target, (), {})
-            functions[name] = loaded if ok else f"cannot be loaded in a reward process: {loaded}"
-        fn = functions[name]
-        result = (False, fn) if isinstance(fn, str) else guarded_call(fn, args, kwargs)
-        try:
-            conn.send(result)
-        except (pickle.PicklingError, TypeError, AttributeError) as err:
-            conn.send((False, f"returned a value that cannot be sent back ({type(err).__name__}: {err})"))

@@ -1,0 +1,240 @@
+"""Reward calls in processes: a call past its time is killed with its process, which is replaced at once.
+
+For rewards that can hold the GIL in one long C call (sympy under math-verify: for a response holding
+`9^{9^{9}}` it raises an integer to a power of a billion bits, minutes in one C call), which on a thread of the
+driver's process would stop its event loop and every timeout with it. Each process is fed over a pipe by a daemon
+thread of the driver's process and dies with that thread (Linux's parent-death signal), so a busy one is not left
+behind when the launcher is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import inspect
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from megatron_rl.rollout.rewards.workers import _Call, _Workers, guarded_call
+
+PROCESS_START_TIMEOUT_S = 120.0
+"""Longest a reward process may take to start and import the package before its thread gives up on it."""
+KILL_WAIT_S = 5.0
+"""How long to wait for a killed reward process to be reaped."""
+EXIT_WAIT_S = 0.5
+"""How long a process whose pipe closed on its own may take to exit, for its exit code, before it is killed."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _key(spec) -> str:
+    """What a process knows a reward function by: its name and what the config named."""
+    return f"{spec.name}\0{spec.source}"
+
+
+class _Child:
+    """One reward process and the pipe to it; the functions it was sent, the call it runs (the workers' lock
+    guards `current` and `doomed`)."""
+
+    def __init__(self, context, preload: list):
+        mine, theirs = context.Pipe()
+        self.process = context.Process(target=serve, args=(theirs, os.getpid()), name="megatron-rl-reward", daemon=True)
+        self.process.start()
+        theirs.close()
+        self.conn, self.known, self.doomed, self.current = mine, set(), False, None
+        try:
+            if not self.conn.poll(PROCESS_START_TIMEOUT_S):
+                raise RuntimeError(f"it did not start within {PROCESS_START_TIMEOUT_S:g} s")
+            self.conn.recv()  # its "ready" (EOFError: it died starting; its error is on stderr)
+            for spec in preload:  # loaded now, not in the time of its first call
+                with contextlib.suppress(Exception):  # one that does not travel is said at its calls
+                    self.conn.send_bytes(ForkingPickler.dumps(("load", _key(spec), spec)))
+                    self.known.add(_key(spec))
+        except BaseException:
+            self.kill()
+            raise
+
+    def run(self, spec, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """Call reward `spec` (a `RewardFunction`) there; (ok, value or why)."""
+        key = _key(spec)
+        try:  # pickled whole before anything is written: what does not travel leaves the pipe intact
+            data = ForkingPickler.dumps(("call", key, None if key in self.known else spec, args, kwargs))
+        except Exception as err:  # noqa: BLE001 (pickling raises whatever the object's reduction raises)
+            return False, f"cannot be sent to a reward process ({type(err).__name__}: {err})"
+        try:
+            self.conn.send_bytes(data)
+            self.known.add(key)
+            reply = self.conn.recv_bytes()
+        except (EOFError, OSError):  # killed past its time (its caller gave up already), or crashed
+            return False, self._died()
+        try:
+            return pickle.loads(reply)
+        except Exception as err:  # noqa: BLE001 (as for pickling)
+            return False, f"its value cannot be read back ({type(err).__name__}: {err})"
+
+    def _died(self) -> str:
+        if not self.doomed:
+            self.process.join(EXIT_WAIT_S)  # for the exit code of its own end
+        code = self.process.exitcode
+        self.kill()
+        return f"its reward process died (exit code {code}; its error, if it printed one, is on the launcher's stderr)"
+
+    def kill(self) -> None:
+        """End the process now (a reward holding the GIL ignores everything but SIGKILL) and reap it."""
+        self.process.kill()
+        self.process.join(KILL_WAIT_S)
+        self.conn.close()
+
+    def close(self) -> None:
+        """Ask the process to end; killed if it does not within `EXIT_WAIT_S` (a call still running)."""
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        self.process.join(EXIT_WAIT_S)
+        self.kill()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.process.is_alive()
+
+
+class ProcessWorkers(_Workers):
+    """Reward calls in `count` processes (spawned, each fed by a daemon thread here). A call abandoned or
+    forgotten while it runs is killed with its process, and the thread starts a new one at once, which loads the
+    functions given to `start`. A function travels once per process (`RewardFunction` pickles a file's function
+    by its file, which the process loads again)."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self._context = multiprocessing.get_context("spawn")  # not fork: the driver's process has Ray's threads
+        self._running: dict[int, _Child] = {}
+        self._preload: list = []
+
+    def start(self, specs: list) -> None:
+        """Start the processes now, each loading the reward functions `specs` (their first calls then spend no time
+        starting a process and importing)."""
+        self._preload = list(specs)
+        self.ensure_started()
+
+    def abandon(self, call: _Call) -> None:
+        """Give up on `call` (past its time): skipped if still queued, its process killed if running."""
+        with self._lock:
+            running = call.state == "running"
+            if call.state != "done":
+                call.state = "abandoned"
+            if running:
+                self.stuck_threads += 1
+                self._kill_running(call)
+
+    def forget(self, call: _Call) -> None:
+        """Drop `call` (its caller was cancelled): skipped if queued, its process killed if running."""
+        with self._lock:
+            if call.state == "running":
+                self._kill_running(call)
+            if call.state != "done":
+                call.state = "abandoned"
+
+    def _kill_running(self, call: _Call) -> None:
+        # Under the lock, and only while its process runs this call: never one that has moved on to the next.
+        child = self._running.get(id(call))
+        if child is not None and child.current is call:
+            child.doomed = True
+            child.process.kill()  # its thread sees the pipe close, reaps it and starts another
+
+    def _new_child(self) -> tuple[_Child | None, str]:
+        try:
+            return _Child(self._context, self._preload), ""
+        except Exception as err:  # noqa: BLE001 (said in the calls' results; the next call tries again)
+            return None, f"no reward process: {type(err).__name__}: {err}"
+
+    def _work(self) -> None:
+        child, _ = self._new_child()
+        try:
+            while (call := self._take()) is not None:
+                if child is None or child.doomed or not child.alive:
+                    if child is not None:
+                        child.kill()
+                    child, why = self._new_child()
+                    if child is None:
+                        self._deliver(call, (False, why))
+                        continue
+                with self._lock:
+                    if call.state == "abandoned":  # given up on before its process was known
+                        continue
+                    child.current, self._running[id(call)] = call, child
+                try:
+                    result = child.run(call.fn, call.args, call.kwargs)
+                except Exception as err:  # noqa: BLE001 (this thread must live on: it is one of `count`)
+                    child.doomed = True
+                    result = (False, f"its reward process failed: {type(err).__name__}: {err}")
+                with self._lock:
+                    child.current = None
+                    self._running.pop(id(call), None)
+                self._deliver(call, result)
+                if child.doomed or not child.alive:  # replaced now, before the next call waits for it
+                    child.kill()
+                    child, _ = self._new_child()
+        finally:
+            if child is not None:
+                child.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when the thread that started it ends (Linux; elsewhere an idle process
+    still ends at its pipe's end, a busy one when its call returns)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent went before the request took hold
+        os._exit(0)
+
+
+def _load(spec) -> Callable | str:
+    ok, loaded = guarded_call(spec.target, (), {})
+    return loaded if ok else f"cannot be loaded in a reward process: {loaded}"
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    ok, value = guarded_call(fn, args, kwargs)
+    if ok and inspect.iscoroutine(value):  # a plain function that returned a coroutine
+        ok, value = guarded_call(asyncio.run, (value,), {})
+    return ok, value
+
+
+def serve(conn, parent: int) -> None:
+    """A reward process's loop: ("load", key, spec) loads a function; ("call", key, spec or None once sent,
+    args, kwargs) calls it and answers (ok, value or why); None ends it."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the launcher decides
+    logging.basicConfig(level=logging.ERROR, format="reward process %(process)d: %(levelname)s %(name)s: %(message)s")
+    functions: dict[str, Callable | str] = {}  # by key: the function, or why it could not be loaded here
+    conn.send("ready")
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the driver's process is gone
+            return
+        if message is None:
+            return
+        kind, key, spec = message[:3]
+        if spec is not None:
+            functions[key] = _load(spec)
+        if kind == "load":
+            continue
+        fn = functions.get(key, "was never sent to this reward process")
+        result = (False, fn) if isinstance(fn, str) else _call(fn, *message[3:])
+        try:
+            data = ForkingPickler.dumps(result)
+        except Exception as err:  # noqa: BLE001 (pickling raises whatever the value's reduction raises)
+            data = ForkingPickler.dumps(
+                (False, f"returned a value that cannot be sent back ({type(err).__name__}: {err})")
+            )
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            return
