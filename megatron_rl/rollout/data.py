@@ -80,6 +80,7 @@ def format_of(spec: DatasetConfig) -> str:
     """`jsonl`, `parquet` or `hf` (a folder or a Hugging Face name) for a dataset spec; TaskError for a path
     that is neither an existing file or folder nor a dataset name."""
     if spec.format != "auto":
+        _check_format(spec)
         return spec.format
     path = Path(spec.path)
     suffix = path.suffix.lower()
@@ -92,6 +93,21 @@ def format_of(spec: DatasetConfig) -> str:
     if suffix in FILE_FORMATS or not _HUB_NAME.fullmatch(spec.path) or spec.path.startswith("."):
         raise TaskError(f"dataset file {spec.path!r} does not exist")
     return "hf"
+
+
+def _check_format(spec: DatasetConfig) -> None:
+    """TaskError when a local file is not in the format the config forces on it (`task.name` jsonl or parquet, or
+    the dataset's `format`): read anyway, a Parquet file failed as text that is not UTF-8."""
+    path = Path(spec.path)
+    if not path.is_file():
+        return
+    forced = f"read as {spec.format} (task.name or the dataset's format says so; format auto goes by the suffix)"
+    if spec.format == "hf":
+        raise TaskError(f"{spec.path}: a file, {forced}, which reads a dataset folder or a Hugging Face name")
+    with path.open("rb") as file:
+        parquet = file.read(4) == b"PAR1"
+    if parquet != (spec.format == "parquet"):
+        raise TaskError(f"{spec.path}: {'a Parquet file' if parquet else 'not a Parquet file'}, {forced}")
 
 
 def read_rows(spec: DatasetConfig):

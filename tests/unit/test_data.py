@@ -416,3 +416,16 @@ def test_a_tokenizer_that_cannot_load_or_holds_no_vocabulary_is_refused_naming_t
     shutil.copy(tmp_path / "tokenizer_config.json", empty)  # names a tokenizer class, but no vocabulary
     with pytest.raises(CheckpointError, match=r"empty: cannot load its tokenizer: ValueError: Couldn't instantiate"):
         load_tokenizer(empty)  # (no tokenizer file at all gives a tokenizer of 1 token: tests/e2e/test_data_errors.py)
+
+
+def test_a_file_in_another_format_than_the_config_forces_is_refused_saying_so(tokenizer, tmp_path):
+    forced = r"read as {} \(task.name or the dataset's format says so; format auto goes by the suffix\)"
+    with pytest.raises(TaskError, match=f"{re.escape(VERL)}: a Parquet file, {forced.format('jsonl')}"):
+        make_task(TaskConfig(name="jsonl", path=VERL, answer_key="reward_model.ground_truth"), tokenizer)
+    with pytest.raises(TaskError, match=f"{re.escape(TRL)}: not a Parquet file, {forced.format('parquet')}"):
+        make_task(TaskConfig(name="parquet", path=TRL, answer_key="solution"), tokenizer)
+    with pytest.raises(TaskError, match=f"{re.escape(TRL)}: a file, read as hf .* a Hugging Face name"):
+        make_task(
+            TaskConfig(name="dataset", datasets=[{"path": TRL, "format": "hf"}], answer_key="solution"), tokenizer
+        )
+    assert len(make_task(TaskConfig(name="jsonl", path=TRL, answer_key="solution"), tokenizer)) > 0
