@@ -65,16 +65,32 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_override(data: dict, path: list[str], value: Any) -> None:
-    """Set data[path[0]][path[1]]... = value, creating sections as needed."""
-    node = data
-    for part in path[:-1]:
+    """Set data[path[0]][path[1]]... = value, creating sections as needed; a number indexes a list the config
+    already holds (`task.datasets.0.weight=2`)."""
+    node: Any = data
+    for depth, part in enumerate(path):
+        last = depth == len(path) - 1
+        if isinstance(node, list):
+            where = ".".join(path[:depth])
+            if not (part.isdigit() and int(part) < len(node)):
+                raise ConfigError(
+                    f"override {'.'.join(path)}: '{where}' is a list of {len(node)}: index it with 0 to {len(node) - 1}"
+                    f", or set the whole list ({where}=[...])"
+                )
+            if last:
+                node[int(part)] = value
+                return
+            node = node[int(part)]
+            continue
+        if last:
+            node[part] = value
+            return
         child = node.get(part)
         if child is None:
             child = node[part] = {}
-        if not isinstance(child, dict):
+        if not isinstance(child, (dict, list)):
             raise ConfigError(f"override {'.'.join(path)}: '{part}' is a value, not a section")
         node = child
-    node[path[-1]] = value
 
 
 def _model_at(path: tuple, root: type[BaseModel] = RunConfig) -> type[BaseModel] | None:

@@ -88,6 +88,20 @@ def test_override_syntax_errors():
         load_config(None, ["steps=3", "steps.x=1"])
 
 
+def test_an_override_indexes_a_list_the_config_holds(tmp_path):
+    config = tmp_path / "mix.yaml"
+    config.write_text("task:\n  name: dataset\n  datasets:\n    - {path: a.jsonl}\n    - {path: b.jsonl}\n")
+    cfg = load_config(config, ["task.datasets.1.weight=2", "task.datasets.0.answer_key=solution"])
+    assert [(d.path, d.weight, d.answer_key) for d in cfg.task.datasets] == [
+        ("a.jsonl", 1.0, "solution"), ("b.jsonl", 2.0, None)  # None: task.answer_key
+    ]  # fmt: skip
+    for key in ("task.datasets.2.weight", "task.datasets.first"):
+        with pytest.raises(
+            ConfigError, match=r"'task.datasets' is a list of 2: index it with 0 to 1, or set the whole"
+        ):
+            load_config(config, [f"{key}=2"])
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
