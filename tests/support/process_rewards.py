@@ -55,3 +55,46 @@ def returns_a_coroutine(response, answer, sample=None):
 def half(response, answer, sample=None):
     """0.5 for any response (a second function to give the same reward name)."""
     return 0.5
+
+
+def leaves_a_child(response, answer, sample=None):
+    """Starts a child that inherits the pipe to the driver and outlives this call, then runs past any timeout."""
+    import subprocess
+    import time
+
+    subprocess.Popen(["sleep", "31.5"], close_fds=False)
+    time.sleep(600)
+    return 1.0
+
+
+def uses_a_process(response, answer, sample=None):
+    """Starts a process of its own (as code-execution rewards do)."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=abs, args=(0,))
+    process.start()
+    process.join(60)
+    return float(process.exitcode == 0)
+
+
+def math_verify_imported(response, answer, sample=None):
+    """1.0 where math-verify has been imported in this process."""
+    import sys
+
+    return float("math_verify" in sys.modules)
+
+
+def _exit_on_load():
+    raise SystemExit("bye")
+
+
+class ExitsOnLoad:
+    """Raises SystemExit where it is read back."""
+
+    def __reduce__(self):
+        return _exit_on_load, ()
+
+
+def returns_exits_on_load(response, answer, sample=None):
+    """A value whose unpickling calls sys.exit in the driver's process."""
+    return ExitsOnLoad()

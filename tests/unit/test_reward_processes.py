@@ -26,9 +26,13 @@ from tests.support.process_rewards import (
     exact,
     half,
     holds_the_gil,
+    leaves_a_child,
+    math_verify_imported,
     returns_a_coroutine,
     returns_a_lambda,
+    returns_exits_on_load,
     returns_refuses_to_load,
+    uses_a_process,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,7 +216,10 @@ def test_errors_of_any_kind_are_reasons_and_the_worker_serves_on():
     assert "cannot be sent to a reward process (ValueError: no pickling this)" in scored[0].error
     scored = _score(runner, returns_refuses_to_load, ["1"])
     assert "its value cannot be read back (ValueError: not here)" in scored[0].error
+    scored = _score(runner, returns_exits_on_load, ["1"])
+    assert "its value cannot be read back (SystemExit: bye)" in scored[0].error
     assert [s.reward for s in _score(runner, returns_a_coroutine, ["1", "2"])] == [1.0, 0.0]
+    assert [s.reward for s in _score(runner, uses_a_process, ["1"])] == [1.0]  # not a daemon: it may have children
     assert [s.reward for s in _score(runner, exact, ["1"])] == [1.0] and runner.stuck_threads == 0
     # Two functions of one name (from different sources) are two functions there too.
     assert [s.reward for s in _score(runner, half, ["1"], name="same", source="a:half")] == [0.5]
@@ -220,14 +227,27 @@ def test_errors_of_any_kind_are_reasons_and_the_worker_serves_on():
     runner.shutdown()
 
 
-def test_started_processes_have_loaded_their_functions_before_the_first_call():
-    runner = RewardRunner(timeout_s=60, workers=2)
-    spec = describe(math_reward, "math", source="math")
-    runner.start([spec, describe(exact, "exact")])  # only math's runs in a process under auto
+def test_started_processes_have_loaded_and_warmed_up_their_functions_before_the_first_call():
+    runner = RewardRunner(timeout_s=60, workers=2, isolation="process")
+    runner.start([describe(math_reward, "math", source="math")])
     deadline = time.monotonic() + 60
     while len(multiprocessing.active_children()) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(3.0)  # their imports
-    runner.timeout_s = 1.0  # a call that had to start a process and import math-verify would not fit
-    assert [s.reward for s in _score(runner, math_reward, ["\\boxed{1}", "2"], source="math")] == [1.0, 0.0]
+    # Imported at start by math's warm-up in both processes, not by any call of math's.
+    assert [s.reward for s in _score(runner, math_verify_imported, ["1", "2"])] == [1.0, 1.0]
+    runner.shutdown()
+
+
+def test_a_child_the_reward_left_holding_the_pipe_neither_blocks_the_worker_nor_outlives_the_kill():
+    runner = RewardRunner(timeout_s=60, workers=1, isolation="process")
+    assert [s.reward for s in _score(runner, exact, ["1"])] == [1.0]
+    runner.timeout_s = 1.0
+    scored = _score(runner, leaves_a_child, ["1"])
+    assert "timed out" in scored[0].error
+    runner.timeout_s = 60
+    start = time.monotonic()
+    assert [s.reward for s in _score(runner, exact, ["1"])] == [1.0]
+    assert time.monotonic() - start < 20  # not after the left-behind child's 31.5 s
+    left = subprocess.run(["pgrep", "-f", "sleep 31.5"], capture_output=True, text=True).stdout.split()
+    assert _gone([int(pid) for pid in left], 5.0)  # killed with the reward's process group
     runner.shutdown()

@@ -150,3 +150,6 @@ def math_reward(response: str, answer: Any, sample: Any = None) -> float:
     if _math_verify() is None:
         return basic_math_reward(response, answer, sample)
     return math_verify_reward(response, answer, sample)
+
+
+math_reward.warm_up = math_verify_reward.warm_up = _math_verify  # a reward process imports math-verify at start

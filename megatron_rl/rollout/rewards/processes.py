@@ -15,11 +15,11 @@ import ctypes
 import inspect
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from megatron_rl.rollout.rewards.workers import _Call, _Workers, guarded_call
@@ -31,6 +31,8 @@ KILL_WAIT_S = 5.0
 EXIT_WAIT_S = 0.5
 """How long a process whose pipe closed on its own may take to exit, for its exit code, before it is killed."""
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+UNREADABLE = "cannot be read in a reward process"
+"""How a reward process answers a message it cannot unpickle."""
 
 
 def _key(spec) -> str:
@@ -49,34 +51,49 @@ class _Child:
         theirs.close()
         self.conn, self.known, self.doomed, self.current = mine, set(), False, None
         try:
-            if not self.conn.poll(PROCESS_START_TIMEOUT_S):
-                raise RuntimeError(f"it did not start within {PROCESS_START_TIMEOUT_S:g} s")
-            self.conn.recv()  # its "ready" (EOFError: it died starting; its error is on stderr)
-            for spec in preload:  # loaded now, not in the time of its first call
-                with contextlib.suppress(Exception):  # one that does not travel is said at its calls
-                    self.conn.send_bytes(ForkingPickler.dumps(("load", _key(spec), spec)))
+            self._answer(PROCESS_START_TIMEOUT_S)  # its "ready" (EOFError: it died starting; its error is on stderr)
+            for spec in preload:  # loaded (and warmed up) now, not in the time of its first call
+                try:
+                    data = pickle.dumps(("load", _key(spec), spec))
+                except (Exception, SystemExit):  # noqa: S112 (one that does not travel is said at its calls)
+                    continue
+                self.conn.send_bytes(data)
+                if pickle.loads(self._answer(PROCESS_START_TIMEOUT_S))[0]:
                     self.known.add(_key(spec))
         except BaseException:
             self.kill()
             raise
 
+    def _answer(self, timeout_s: float | None = None) -> bytes:
+        """The process's next message; EOFError when it ended, RuntimeError when `timeout_s` passed first. Waits
+        on the process as well as the pipe: a child the reward left behind may hold the pipe open."""
+        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], timeout_s)
+        if self.conn in ready:
+            return self.conn.recv_bytes()
+        if ready:
+            raise EOFError("the reward process ended")
+        raise RuntimeError(f"it did not answer within {timeout_s:g} s")
+
     def run(self, spec, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         """Call reward `spec` (a `RewardFunction`) there; (ok, value or why)."""
         key = _key(spec)
         try:  # pickled whole before anything is written: what does not travel leaves the pipe intact
-            data = ForkingPickler.dumps(("call", key, None if key in self.known else spec, args, kwargs))
-        except Exception as err:  # noqa: BLE001 (pickling raises whatever the object's reduction raises)
+            data = pickle.dumps(("call", key, None if key in self.known else spec, args, kwargs))
+        except (Exception, SystemExit) as err:  # pickling raises whatever the object's reduction raises
             return False, f"cannot be sent to a reward process ({type(err).__name__}: {err})"
         try:
             self.conn.send_bytes(data)
             self.known.add(key)
-            reply = self.conn.recv_bytes()
+            reply = self._answer()
         except (EOFError, OSError):  # killed past its time (its caller gave up already), or crashed
             return False, self._died()
         try:
-            return pickle.loads(reply)
-        except Exception as err:  # noqa: BLE001 (as for pickling)
+            ok, value = pickle.loads(reply)
+        except (Exception, SystemExit) as err:  # as for pickling
             return False, f"its value cannot be read back ({type(err).__name__}: {err})"
+        if not ok and str(value).startswith(UNREADABLE):
+            self.known.discard(key)  # the function did not arrive: sent again with the next call
+        return ok, value
 
     def _died(self) -> str:
         if not self.doomed:
@@ -85,8 +102,17 @@ class _Child:
         self.kill()
         return f"its reward process died (exit code {code}; its error, if it printed one, is on the launcher's stderr)"
 
+    def kill_group(self) -> None:
+        """SIGKILL the process and whatever its reward started (its own process group), if not reaped yet: a
+        reaped one's number may be another process's now."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.process.exitcode is None:
+                os.killpg(self.process.pid, signal.SIGKILL)
+
     def kill(self) -> None:
-        """End the process now (a reward holding the GIL ignores everything but SIGKILL) and reap it."""
+        """End the process and its children now (a reward holding the GIL ignores everything but SIGKILL) and
+        reap it."""
+        self.kill_group()
         self.process.kill()
         self.process.join(KILL_WAIT_S)
         self.conn.close()
@@ -145,7 +171,7 @@ class ProcessWorkers(_Workers):
         child = self._running.get(id(call))
         if child is not None and child.current is call:
             child.doomed = True
-            child.process.kill()  # its thread sees the pipe close, reaps it and starts another
+            child.kill_group()  # its thread sees it end, reaps it and starts another
 
     def _new_child(self) -> tuple[_Child | None, str]:
         try:
@@ -170,7 +196,7 @@ class ProcessWorkers(_Workers):
                     child.current, self._running[id(call)] = call, child
                 try:
                     result = child.run(call.fn, call.args, call.kwargs)
-                except Exception as err:  # noqa: BLE001 (this thread must live on: it is one of `count`)
+                except (Exception, SystemExit) as err:  # this thread must live on: it is one of `count`
                     child.doomed = True
                     result = (False, f"its reward process failed: {type(err).__name__}: {err}")
                 with self._lock:
@@ -179,7 +205,7 @@ class ProcessWorkers(_Workers):
                 self._deliver(call, result)
                 if child.doomed or not child.alive:  # replaced now, before the next call waits for it
                     child.kill()
-                    child, _ = self._new_child()
+                    child = None if self._closed else self._new_child()[0]
         finally:
             if child is not None:
                 child.close()
@@ -195,7 +221,10 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _load(spec) -> Callable | str:
+    """The function of `spec`, its `warm_up` called if it has one (math-verify's imports), or why not."""
     ok, loaded = guarded_call(spec.target, (), {})
+    if ok and callable(getattr(loaded, "warm_up", None)):
+        guarded_call(loaded.warm_up, (), {})
     return loaded if ok else f"cannot be loaded in a reward process: {loaded}"
 
 
@@ -210,30 +239,36 @@ def serve(conn, parent: int) -> None:
     """A reward process's loop: ("load", key, spec) loads a function; ("call", key, spec or None once sent,
     args, kwargs) calls it and answers (ok, value or why); None ends it."""
     _die_with_parent(parent)
+    os.setpgrp()  # a group of its own: a kill reaches what its reward started too
+    multiprocessing.current_process().daemon = False  # a reward may start processes of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the launcher decides
     logging.basicConfig(level=logging.ERROR, format="reward process %(process)d: %(levelname)s %(name)s: %(message)s")
     functions: dict[str, Callable | str] = {}  # by key: the function, or why it could not be loaded here
-    conn.send("ready")
+    conn.send_bytes(pickle.dumps("ready"))
     while True:
         try:
-            message = conn.recv()
+            raw = conn.recv_bytes()
         except (EOFError, OSError):  # the driver's process is gone
             return
+        try:
+            message = pickle.loads(raw)
+        except (Exception, SystemExit) as err:  # a function or argument that cannot be rebuilt here
+            conn.send_bytes(pickle.dumps((False, f"{UNREADABLE} ({type(err).__name__}: {err})")))
+            continue
         if message is None:
             return
         kind, key, spec = message[:3]
         if spec is not None:
             functions[key] = _load(spec)
         if kind == "load":
-            continue
-        fn = functions.get(key, "was never sent to this reward process")
-        result = (False, fn) if isinstance(fn, str) else _call(fn, *message[3:])
+            result = (True, None)  # loaded: the acknowledgement
+        else:
+            fn = functions.get(key, "was never sent to this reward process")
+            result = (False, fn) if isinstance(fn, str) else _call(fn, *message[3:])
         try:
-            data = ForkingPickler.dumps(result)
-        except Exception as err:  # noqa: BLE001 (pickling raises whatever the value's reduction raises)
-            data = ForkingPickler.dumps(
-                (False, f"returned a value that cannot be sent back ({type(err).__name__}: {err})")
-            )
+            data = pickle.dumps(result)
+        except (Exception, SystemExit) as err:  # pickling raises whatever the value's reduction raises
+            data = pickle.dumps((False, f"returned a value that cannot be sent back ({type(err).__name__}: {err})"))
         try:
             conn.send_bytes(data)
         except OSError:
