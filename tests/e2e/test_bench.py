@@ -155,6 +155,15 @@ def test_gloo_calls_bench_times_each_collective_on_two_ranks():
     assert all(result[n]["cpu_ms"] > 0 and result[n]["wall_ms"] > 0 for n in names)
 
 
+def test_reward_isolation_bench_times_math_rewards_on_threads_and_in_processes():
+    result = run_bench("reward_isolation.py", "--groups", "8", "--samples", "8", "--rounds", "1")
+    assert result["calls_per_round"] == 64 and result["rounds"] == 1
+    for mode in ("thread", "process"):
+        assert result[mode]["wall_ms_per_call"] > 0 and result[mode]["cpu_ms_per_call"] > 0
+    ratio = result["process_over_thread"]["wall_ms_per_call"]
+    assert ratio == round(result["process"]["wall_ms_per_call"] / result["thread"]["wall_ms_per_call"], 3)
+
+
 @pytest.mark.slow
 def test_engine_requests_bench_times_each_way_of_handing_requests_to_vllm():
     result = run_bench("engine_requests.py", "--rounds", "3")
