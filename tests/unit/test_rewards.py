@@ -280,8 +280,15 @@ def test_conventions_are_told_from_the_parameters(fn, convention):
 
 
 def test_a_function_of_no_known_convention_is_refused():
-    with pytest.raises(TaskError, match=r"reward 'x': cannot tell how to call it from its parameters \(text\)"):
+    with pytest.raises(TaskError, match=r"reward 'x': cannot tell how to call it from its parameters \(text\):"):
         describe(no_convention, "x")
+
+    def keywords(*, response, answer, sample):
+        return 1.0
+
+    message = r"\(response, answer, sample\) \(response, answer, sample keyword-only: ours passes them by position\)"
+    with pytest.raises(TaskError, match=message):
+        describe(keywords, "k")
 
 
 def test_ours_gets_response_answer_sample_and_the_row():

@@ -250,8 +250,10 @@ def describe(fn: Callable, name: str, weight: float = 1.0, source: str = "") -> 
     elif len(positional) >= 3 or inspect.Parameter.VAR_POSITIONAL in kinds:
         spec.convention, spec.wants_row = "ours", "row" in names or var_kw
     else:
+        keyword_only = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
+        hint = f" ({', '.join(keyword_only)} keyword-only: ours passes them by position)" if keyword_only else ""
         raise TaskError(
-            f"reward {name!r}: cannot tell how to call it from its parameters ({', '.join(names) or 'none'}): "
+            f"reward {name!r}: cannot tell how to call it from its parameters ({', '.join(names) or 'none'}){hint}: "
             "expected fn(response, answer, sample), compute_score(data_source, solution_str, ground_truth, "
             "extra_info) or f(prompts, completions, **kwargs)"
         )
