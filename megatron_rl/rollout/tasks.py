@@ -288,6 +288,13 @@ class DatasetTask(Task):
         self.tokenizer = tokenizer
         self.sources = [DatasetSource(s, tokenizer, max_prompt_tokens, chat_template) for s in specs]
         self.mixture = Mixture([len(s) for s in self.sources], [s.weight for s in specs], seed, shuffle)
+        unused = [i for i, count in enumerate(self.mixture.counts) if count == 0]
+        if unused:
+            i = unused[0]
+            raise TaskError(
+                f"task.datasets[{i}] ({specs[i].path}): its weight {specs[i].weight:g} gives it no prompt of an epoch"
+                f" of {sum(self.mixture.counts)}: raise its weight, or leave it out"
+            )
 
     @property
     def skipped(self) -> collections.Counter[str]:

@@ -429,3 +429,11 @@ def test_a_file_in_another_format_than_the_config_forces_is_refused_saying_so(to
             TaskConfig(name="dataset", datasets=[{"path": TRL, "format": "hf"}], answer_key="solution"), tokenizer
         )
     assert len(make_task(TaskConfig(name="jsonl", path=TRL, answer_key="solution"), tokenizer)) > 0
+
+
+def test_a_dataset_whose_weight_gives_it_no_prompt_is_refused(tokenizer):
+    datasets = [{"path": TRL, "answer_key": "solution"}, {"path": TRL, "answer_key": "solution", "weight": 1e-6}]
+    with pytest.raises(
+        TaskError, match=r"task.datasets\[1\] \(.*trl_math.jsonl\): its weight 1e-06 gives it no prompt"
+    ):
+        make_task(TaskConfig(name="dataset", datasets=datasets), tokenizer)
