@@ -60,7 +60,10 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     marker = Path(save_dir) / LATEST
     if not marker.exists():
         return None
-    folder = Path(save_dir) / marker.read_text().strip()
+    name = marker.read_text().strip()
+    folder = Path(save_dir) / name
+    if not (name.startswith("step_") and name[5:].isdigit()):  # a resume parses the step from the name
+        raise ResumeError(f"{marker} names {name!r}, not a step_<N> folder; {other_checkpoints(save_dir, folder)}")
     if not (folder / RUN_STATE).exists():
         raise ResumeError(
             f"{marker} names {folder}, which has no {RUN_STATE} (deleted or not a run checkpoint);"

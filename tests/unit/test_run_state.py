@@ -48,6 +48,11 @@ def test_latest_pointing_at_a_deleted_checkpoint_is_named(tmp_path):
     (tmp_path / "latest").write_text("step_00000007\n")
     with pytest.raises(ResumeError, match="step_00000007"):
         latest_checkpoint(tmp_path)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "run_state.json").write_text("{}")
+    (tmp_path / "latest").write_text("final\n")
+    with pytest.raises(ResumeError, match=r"latest names 'final', not a step_<N> folder; .* holds no other"):
+        latest_checkpoint(tmp_path)
 
 
 def test_run_state_of_another_format_is_refused(tmp_path):
