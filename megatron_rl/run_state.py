@@ -50,6 +50,11 @@ def step_dir(save_dir: str | Path, step: int) -> Path:
     return Path(save_dir) / f"step_{step:08d}"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint folder's name (`step_<N>`), or None for any other name."""
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 def staging_dir(save_dir: str | Path, step: int) -> Path:
     """The hidden folder the checkpoint of `step` is written into before it becomes `step_dir`."""
     return Path(save_dir) / f".{step_dir(save_dir, step).name}{PARTIAL_SUFFIX}"
@@ -62,7 +67,7 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
         return None
     name = marker.read_text().strip()
     folder = Path(save_dir) / name
-    if not (name.startswith("step_") and name[5:].isdigit()):  # a resume parses the step from the name
+    if step_of(name) is None:  # a resume takes the step from the name
         raise ResumeError(f"{marker} names {name!r}, not a step_<N> folder; {other_checkpoints(save_dir, folder)}")
     if not (folder / RUN_STATE).exists():
         raise ResumeError(
@@ -75,7 +80,7 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
 def _step_folders(save_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, folder) of every `step_<N>` folder under `save_dir`, complete or not, oldest first."""
     folders = Path(save_dir).glob("step_*")
-    return sorted((int(p.name[5:]), p) for p in folders if p.name[5:].isdigit() and p.is_dir())
+    return sorted((step, p) for p in folders if (step := step_of(p.name)) is not None and p.is_dir())
 
 
 def checkpoint_steps(save_dir: str | Path) -> list[int]:
@@ -112,7 +117,7 @@ def continue_from(save_dir: str | Path, folder: str | Path, rewind: bool = False
     never pruned in place of the run's own checkpoints nor resumed from; returns where they went. `rewind` (a
     `checkpoint.resume_step` honoured) records the step in `save_dir/rewound.json`, which a requeued job reads."""
     save_dir, folder = Path(save_dir), Path(folder)
-    step = int(folder.name[5:])
+    step = step_of(folder.name)
     marker = save_dir / LATEST
     if not marker.exists() or marker.read_text().strip() != folder.name:
         write_atomically(marker, folder.name + "\n")  # first: a crash below leaves a resumable run

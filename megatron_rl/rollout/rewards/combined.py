@@ -43,7 +43,7 @@ async def _guarded_await(awaitable) -> tuple[bool, Any]:
 
 class RewardRunner:
     """Runs reward calls within `timeout_s` each: plain functions on `workers` daemon threads or, as `isolation`
-    says, in `workers` processes (`rollout/rewards/workers.py`), `async` ones on the loop. A call past its time is
+    says, in `workers` processes (`rollout/rewards/processes.py`), `async` ones on the loop. A call past its time is
     a failure; a thread cannot be stopped, so it is left to finish on its own and cannot keep the process from
     exiting; a process is killed and replaced.
 
@@ -84,11 +84,11 @@ class RewardRunner:
             if spec.is_async:
                 ok, value = await asyncio.wait_for(_guarded_await(spec.target()(*args, **kwargs)), self.timeout_s)
             else:
-                workers = self._processes if self.in_process(spec) else self._threads
-                fn = spec if workers is self._processes else spec.target()
-                if workers is self._processes and spec.convention == "ours" and spec.target() in SAMPLE_BLIND:
+                isolated = self.in_process(spec)
+                workers = self._processes if isolated else self._threads
+                if isolated and spec.convention == "ours" and spec.target() in SAMPLE_BLIND:
                     args = (*args[:2], None)  # (response, answer, sample)
-                future, queued = workers.submit(fn, args, kwargs, self.timeout_s)
+                future, queued = workers.submit(spec if isolated else spec.target(), args, kwargs, self.timeout_s)
                 ok, value = await asyncio.wait_for(future, self.timeout_s)
                 if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
                     queued = None

@@ -64,8 +64,8 @@ class _Workers:
         threading.Thread(target=self._work, name="reward", daemon=True).start()
 
     def submit(self, fn: Any, args: tuple, kwargs: dict, timeout_s: float) -> tuple[asyncio.Future, _Call]:
-        """Queue a call of `fn` (what `_run` takes), to start within `timeout_s` or not at all; the future (of the
-        running loop) gets its (ok, value or why)."""
+        """Queue a call of `fn` (a function for threads, a `RewardFunction` for processes), to start within
+        `timeout_s` or not at all; the future (of the running loop) gets its (ok, value or why)."""
         if self._closed:
             raise RuntimeError("reward calls after the runner was shut down")
         self.ensure_started()
