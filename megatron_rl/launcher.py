@@ -32,7 +32,7 @@ from megatron_rl.parallel.layout import layout_from_config
 from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
 from megatron_rl.planner.planning import checked_model
 from megatron_rl.rollout.buffer import make_buffer_actor
-from megatron_rl.rollout.control import CALL_TIMEOUT_S, CONTROL_NAME, make_control_actor
+from megatron_rl.rollout.control import CONTROL_NAME, TrainerWatch, make_control_actor
 from megatron_rl.rollout.driver import GenerationDriver, GenerationError, mode_lag
 from megatron_rl.rollout.engine import EngineSpec
 from megatron_rl.rollout.evaluation import EvalRunner, Evaluator, generated_eval_prompts
@@ -129,17 +129,25 @@ def start_teacher_scorer(cfg: RunConfig, teachers: EnginePool | None) -> Teacher
 
 
 class LocalTrainerJob:
-    """The trainer as a torchrun child of this process."""
+    """The trainer as a torchrun child of this process: it has ended when the job exits, or is lost when its
+    reports say so (`TrainerWatch`: a rank 0 gone silent, or stuck in one phase, while the job still runs)."""
 
-    def __init__(self, proc, log_path: Path):
-        self.proc, self.log_path = proc, log_path
+    def __init__(self, proc, log_path: Path, watch: TrainerWatch):
+        self.proc, self.log_path, self.watch = proc, log_path, watch
+        self.lost: str | None = None
 
     async def finished(self) -> bool:
-        """Whether the torchrun job has exited."""
-        return self.proc.poll() is not None
+        """Whether the torchrun job has exited or is lost."""
+        if self.proc.poll() is not None:
+            return True
+        self.lost = self.watch.lost(await self.watch.look())
+        return self.lost is not None
 
     def check(self) -> None:
-        """Raise LaunchError, naming the failed rank and its error, when the job did not succeed."""
+        """Raise LaunchError, naming the failed rank and its error (or why the job is lost), when the job did not
+        succeed."""
+        if self.proc.poll() is None and self.lost is not None:
+            raise LaunchError(self.lost)
         if self.proc.wait() != 0:
             raise log_failure(self.log_path, TRAINER_MODULE, self.proc.returncode)
 
@@ -150,16 +158,16 @@ class LocalTrainerJob:
 
 class ExternalTrainerJob:
     """A trainer launched elsewhere (`--external-trainer`: SLURM, launch/torchrun.sh), watched through its reports
-    to the run-control actor: it has failed when it says so or stops reporting for longer than `timeout_s`."""
+    to the run-control actor: it has failed when it says so, or is lost (`TrainerWatch`)."""
 
-    def __init__(self, control, timeout_s: float):
-        self.control, self.timeout_s = control, timeout_s
+    def __init__(self, watch: TrainerWatch):
+        self.watch = watch
         self.status: dict = {}
 
     async def finished(self) -> bool:
-        """Whether the trainer reported the end (done or failed) or went silent."""
-        self.status = await asyncio.wait_for(self.control.trainer_status.remote(), CALL_TIMEOUT_S)
-        return self.status["state"] in ("done", "failed") or self.status["age_s"] > self.timeout_s
+        """Whether the trainer reported the end (done or failed) or is lost."""
+        self.status = await self.watch.look()
+        return self.watch.ended(self.status) or self.watch.lost(self.status) is not None
 
     def check(self) -> None:
         """Raise LaunchError unless the trainer reported success."""
@@ -167,10 +175,7 @@ class ExternalTrainerJob:
         if status.get("state") == "failed":
             raise LaunchError(f"trainer failed after step {status['step']}: {status['message']}")
         if status.get("state") != "done":
-            raise LaunchError(
-                f"trainer silent for {status.get('age_s', 0):.0f} s (> {self.timeout_s:.0f} s, from trainer.timeout_s) "
-                f"in state {status.get('state')!r} after step {status.get('step')}: is its torchrun job alive?"
-            )
+            raise LaunchError(self.watch.lost(status) or f"trainer did not finish: {status}")
 
     def stop(self) -> None:
         """Nothing to kill from here: the job that launched the trainer ends it (see launch/)."""
@@ -432,12 +437,14 @@ def start_trainer_job(
 ) -> LocalTrainerJob | ExternalTrainerJob:
     """Start torchrun here (its output to `log_dir/trainer.log`), or (`external`) watch a trainer started
     elsewhere through its reports."""
-    if external:  # silent longer than a collective may wait (rank 0 reports the collective's error)
-        return ExternalTrainerJob(control, cfg.trainer.collective_timeout_s + 60)
+    # Silent longer than a collective may wait: rank 0 would have reported the collective's error.
+    watch = TrainerWatch(control, cfg.trainer.collective_timeout_s + 60, cfg.stall_timeout_s)
+    if external:
+        return ExternalTrainerJob(watch)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "trainer.log"
     world_size = layout_from_config(cfg.trainer.parallel).world_size
-    return LocalTrainerJob(start_torchrun(TRAINER_MODULE, [str(spec_path)], world_size, log_path), log_path)
+    return LocalTrainerJob(start_torchrun(TRAINER_MODULE, [str(spec_path)], world_size, log_path), log_path, watch)
 
 
 def summarize(

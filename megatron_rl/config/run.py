@@ -17,7 +17,7 @@ from megatron_rl.config.lora import LoraConfig
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.rollout import BufferConfig, RolloutConfig, SyncConfig
 from megatron_rl.config.task import TaskConfig
-from megatron_rl.config.trainer import CheckpointConfig, TrainerConfig
+from megatron_rl.config.trainer import DEFAULT_STALL_TIMEOUT_S, CheckpointConfig, TrainerConfig
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -141,6 +141,34 @@ class RunConfig(Section):
                 f"rollout.top_p={r.top_p:g} with algorithm.sampling_mask needs rollout.top_k (e.g. 64): the engines"
                 " return each token's kept set, which only top-k bounds (they ask vLLM for top_k + 1 logprobs);"
                 " or set algorithm.sampling_mask=false (the importance ratios are then biased)"
+            )
+        return self
+
+    @property
+    def phase_wait_s(self) -> float:
+        """The longest the other timeouts let one phase of trainer rank 0 wait: a collective, a weight push that
+        fails, waits for the engine's restart and pushes again, the last step's evaluation."""
+        r = self.rollout
+        push = 2 * self.sync.timeout_s + r.hang_timeout_s + r.restart_timeout_s
+        evaluation = self.eval.timeout_s if self.eval.interval > 0 else 0.0
+        return max(self.trainer.collective_timeout_s, push, evaluation)
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """`trainer.stall_timeout_s`, or its default: the launcher's bound on one phase of trainer rank 0."""
+        if self.trainer.stall_timeout_s is not None:
+            return self.trainer.stall_timeout_s
+        return max(DEFAULT_STALL_TIMEOUT_S, 2 * self.phase_wait_s)
+
+    @model_validator(mode="after")
+    def _check_stall_bound(self) -> RunConfig:
+        stall, wait = self.trainer.stall_timeout_s, self.phase_wait_s
+        if stall is not None and stall < wait + 60:
+            raise ValueError(
+                f"trainer.stall_timeout_s={stall:g} must exceed by 60 s the {wait:g} s that the other timeouts let"
+                " one trainer phase wait (the longest of trainer.timeout_s + 120, a failed weight push:"
+                " 2 x sync.timeout_s + rollout.hang_timeout_s + rollout.restart_timeout_s, and eval.timeout_s):"
+                " the launcher would end a run that is only waiting"
             )
         return self
 

@@ -8,6 +8,8 @@ from pydantic import Field, NonNegativeInt, model_validator
 
 from megatron_rl.config.base import Section
 
+DEFAULT_STALL_TIMEOUT_S = 3600.0
+"""`trainer.stall_timeout_s` when the config leaves it empty (unless the other timeouts need longer)."""
 COLLECTIVE_TIMEOUT_MARGIN_S = 120.0
 """Added to trainer.timeout_s for the trainer's process groups. The other ranks wait for rank 0's batch in a
 broadcast while rank 0 waits up to trainer.timeout_s for the buffer (after its own per-step work), so rank 0's
@@ -89,6 +91,12 @@ class TrainerConfig(Section):
     timeout_s: float = Field(600.0, gt=0)
     """How long rank 0 waits for a batch; the trainer's collectives wait 120 s longer (so rank 0's error, which says
     why, comes first); a dead rank ends the job after that long."""
+
+    stall_timeout_s: float | None = Field(None, gt=0)
+    """How long trainer rank 0 may stay at one thing (start-up with the checkpoint's load, a train step, a save, an
+    export, a weight push with its recovery) before the launcher ends the run as stuck; its heartbeat shows it alive
+    meanwhile, so a long phase is no silence. Empty: 3600 s, or twice the longest wait the other timeouts allow
+    one phase if that is longer; a set value must exceed that wait by 60 s."""
 
     @property
     def collective_timeout_s(self) -> float:

@@ -12,13 +12,12 @@ key-value store (the GCS) after every change.
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -30,6 +29,8 @@ log = logging.getLogger(__name__)
 
 CONTROL_NAME = "run-control"
 TRAINER_STATES = ("starting", "running", "done", "failed")
+ENDED = ("done", "failed")
+"""The trainer states after which no report changes the status."""
 CALL_TIMEOUT_S = 60.0
 """Deadline of one call to the run's bookkeeping actors (run control, buffer), which answer at once unless gone."""
 HEARTBEAT_S = 10.0
@@ -68,12 +69,18 @@ class RunControl:
         log.warning("run control restarted by Ray: state restored (roster epoch %d)", self._epoch)
 
     # Trainer side.
-    def report_trainer(self, state: str, step: int, message: str = "") -> None:
-        """The trainer's rank 0 reports its state and last finished step (also its heartbeat)."""
+    def report_trainer(self, state: str, step: int, message: str = "", phase_s: float = 0.0) -> None:
+        """The trainer's rank 0 reports its state, last finished step and what it is doing (`message`) since
+        `phase_s` seconds (its heartbeat). Once it reported the end (done or failed), later reports are ignored: a
+        heartbeat sent as the trainer went down must not hide why."""
         if state not in TRAINER_STATES:
             raise ValueError(f"report_trainer: state={state!r} is not one of {TRAINER_STATES}")
         with self._lock:
-            self._trainer = {"state": state, "step": int(step), "message": message, "time": time.time()}
+            if self._trainer["state"] in ENDED:
+                return
+            self._trainer = {
+                "state": state, "step": int(step), "message": message, "phase_s": float(phase_s), "time": time.time()
+            }  # fmt: skip
             self._save()
 
     def report_failure(self, message: str) -> None:
@@ -83,9 +90,11 @@ class RunControl:
             self._save()
 
     def trainer_status(self) -> dict[str, Any]:
-        """The last report, with `age_s`: seconds since it came."""
+        """The last report, with `age_s`: seconds since it came, and `phase_s`: how long the trainer has been at
+        what it reported (its report's figure plus `age_s`)."""
         with self._lock:
-            return {**self._trainer, "age_s": time.time() - self._trainer["time"]}
+            age = time.time() - self._trainer["time"]
+            return {**self._trainer, "age_s": age, "phase_s": self._trainer.get("phase_s", 0.0) + age}
 
     # Launcher side.
     def engine_down(self, name: str, reason: str) -> None:
@@ -135,34 +144,103 @@ def make_control_actor(engines: list[tuple[str, int]], name: str = CONTROL_NAME)
 
 
 class TrainerHeartbeat:
-    """(Trainer rank 0) keeps the launcher's watchdog (`--external-trainer`: `trainer.timeout_s` of silence is a
-    failure) fed while a long part of a step runs, a checkpoint save or a weight push and its recovery: a thread
-    reports the trainer running every `interval_s` until the block ends. With no control actor (the other
-    ranks) it does nothing."""
+    """(Trainer rank 0) the trainer's reports to run control, sent by a thread every `interval_s` for the trainer's
+    whole life: its state, last finished step and the phase its main thread is in (start-up, waiting for a batch, a
+    train step, a save, an export, a weight push) with how long it has been in it. The launcher's `TrainerWatch`
+    reads them: silence means the process (or the Python in it) is gone, one phase longer than
+    `trainer.stall_timeout_s` a stuck main thread. A long phase (a big checkpoint's load, a long step) is no
+    silence. With no control actor (the other ranks) it does nothing."""
 
     def __init__(self, control, interval_s: float = HEARTBEAT_S):
         self.control, self.interval_s = control, interval_s
+        self._lock = threading.Lock()
+        self._report = ("starting", 0, "starting up")
+        self._since = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    @contextlib.contextmanager
-    def during(self, step: int, what: str) -> Iterator[None]:
-        """Report `what` as the trainer's message, at the start and every `interval_s`, while the block runs."""
+    def start(self) -> TrainerHeartbeat:
+        """Start the beats (rank 0); returns self."""
+        if self.control is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._beat, name="trainer-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def phase(self, step: int, what: str, state: str = "running") -> None:
+        """The main thread is now at `what`, `step` the last finished step; the next beat says so (a phase of
+        another name starts its clock again)."""
         if self.control is None:
-            yield
             return
-        stop = threading.Event()
-        thread = threading.Thread(target=self._beat, args=(stop, step, what), name="trainer-heartbeat", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join(timeout=CALL_TIMEOUT_S + 5)
+        with self._lock:
+            if (state, what) != (self._report[0], self._report[2]):
+                self._since = time.monotonic()
+            self._report = (state, step, what)
 
-    def _beat(self, stop: threading.Event, step: int, what: str) -> None:
+    def stop(self, state: str | None = None, message: str = "") -> None:
+        """End the beats; with `state`, report it (with the last step and `message`) as the last report."""
+        if self.control is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=CALL_TIMEOUT_S + 5)
+        if state is not None:
+            step = self._report[1]
+            ray.get(self.control.report_trainer.remote(state, step, message), timeout=CALL_TIMEOUT_S)
+
+    def _beat(self) -> None:
         while True:
+            with self._lock:
+                state, step, what = self._report
+                phase_s = time.monotonic() - self._since
             try:
-                ray.get(self.control.report_trainer.remote("running", step, what), timeout=CALL_TIMEOUT_S)
-            except Exception as err:  # a missed beat is the watchdog's to judge; the block's own work goes on
+                ray.get(self.control.report_trainer.remote(state, step, what, phase_s), timeout=CALL_TIMEOUT_S)
+            except Exception as err:  # a missed beat is the watch's to judge; the trainer's own work goes on
                 log.warning("heartbeat to run control failed: %s: %s", type(err).__name__, err)
-            if stop.wait(self.interval_s):
+            if self._stop.wait(self.interval_s):
                 return
+
+
+class TrainerWatch:
+    """(The launcher) the trainer's reports to run control, read at most every `every_s`: it has ended when it
+    says so (done or failed); it is lost when it has been silent longer than `silence_s` (counted from the last
+    report that came, so a slow or failed call to run control only delays the verdict) or has stayed in one phase
+    longer than `stall_s`."""
+
+    def __init__(self, control, silence_s: float, stall_s: float, every_s: float = 2.0):
+        self.control, self.silence_s, self.stall_s, self.every_s = control, silence_s, stall_s, every_s
+        self.status: dict = {"state": "starting", "step": 0, "message": "", "age_s": 0.0, "phase_s": 0.0}
+        self._heard = self._looked = time.monotonic()  # run control's first status is as old as the job
+
+    async def look(self) -> dict:
+        """The latest status (fetched when `every_s` has passed since the last look), with `age_s` and `phase_s`
+        counted to now; a call that fails or takes longer than CALL_TIMEOUT_S is logged and leaves the last one."""
+        now = time.monotonic()
+        if now - self._looked >= self.every_s:
+            self._looked = now
+            try:
+                status = await asyncio.wait_for(self.control.trainer_status.remote(), CALL_TIMEOUT_S)
+            except Exception as err:
+                log.warning("could not read the trainer's status from run control: %s: %s", type(err).__name__, err)
+            else:
+                self.status, self._heard = status, time.monotonic() - status["age_s"]
+        since = time.monotonic() - self._heard
+        return {**self.status, "phase_s": self.status["phase_s"] + since - self.status["age_s"], "age_s": since}
+
+    def ended(self, status: dict) -> bool:
+        """Whether the trainer reported its end."""
+        return status["state"] in ENDED
+
+    def lost(self, status: dict) -> str | None:
+        """Why the trainer counts as lost (silent, or stuck in one phase), or None."""
+        after = f"in state {status['state']!r} after step {status['step']}"
+        if status["age_s"] > self.silence_s:
+            return (
+                f"trainer silent for {status['age_s']:.0f} s (> {self.silence_s:.0f} s, from trainer.timeout_s) "
+                f"{after}, last at {status['message']!r}: is its torchrun job alive?"
+            )
+        if status["state"] not in ENDED and status["phase_s"] > self.stall_s:
+            return (
+                f"trainer stuck at {status['message']!r} for {status['phase_s']:.0f} s (> trainer.stall_timeout_s="
+                f"{self.stall_s:.0f} s) {after}: its rank 0 still reports, but its main thread has not moved on"
+            )
+        return None

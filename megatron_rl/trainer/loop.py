@@ -59,11 +59,13 @@ def run_loop(cfg: RunConfig, spec: dict) -> None:
     loop = TrainerLoop(cfg, spec)
     for step in range(loop.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
+        loop.heartbeat.phase(loop.step, f"waiting for the batch of step {step}")
         groups = loop.next_batch()  # waits only when the buffer is empty; follows engine restarts
         if groups is None:  # task.epochs used up: no batch can be formed any more
             loop.end_out_of_prompts()
             break
         t_data = time.perf_counter() - t0
+        loop.heartbeat.phase(loop.step, f"training step {step}")
         stats = loop.learner.step(to_train_batch(groups, cfg, loop.learner), version=step - 1)  # weights of step - 1
         if cfg.checkpoint.save_dir and is_due(step, cfg.checkpoint.save_interval, cfg.steps):
             loop.save_checkpoint(step)  # before the engines see version `step`: see run_state.py
@@ -80,18 +82,20 @@ class TrainerLoop:
     def __init__(self, cfg: RunConfig, spec: dict):
 
         self.cfg, self.spec = cfg, spec
-        self.learner = Learner(cfg)
-        self.is_rank0 = self.learner.rank.ctx.rank == 0
+        self.is_rank0 = os.environ.get("RANK", "0") == "0"  # before the Learner: rank 0 reports its start-up
         self.buffer = self.control = self.metrics = self.meter = self.zero_variance = None
         if self.is_rank0:
             join_ray(spec["ray_address"])
             self.buffer = ray.get_actor(spec["buffer"])
             self.control = ray.get_actor(spec["control"])
-        self.heartbeat = TrainerHeartbeat(self.control)  # (rank 0) through saves, exports and weight pushes
+        self.heartbeat = TrainerHeartbeat(self.control).start()  # (rank 0) for the trainer's whole life
+        self.heartbeat.phase(0, "building the model and loading its weights", state="starting")
+        self.learner = Learner(cfg)
         resume = spec.get("resume_from")
         self.step = load_resumed(self.learner, cfg.checkpoint, Path(resume), self.is_rank0) if resume else 0
         self.saved_step = self.step  # the last step with a checkpoint in save_dir (a resumed one is there)
         self.end_message = ""
+        self.heartbeat.phase(self.step, "connecting to the engines", state="starting")
         sync = engine_sync(cfg, self.learner, spec["engines"], self.is_rank0, _inflight_mode(cfg), "engines")
         sync.setup()
         # As long as the launcher may take to find a hung engine and restart it.
@@ -114,10 +118,6 @@ class TrainerLoop:
             self.evals = EvalInbox(spec["run_dir"])
             self.zero_variance = ZeroVarianceShare()
             self.reporter = BackgroundReporter()
-            self._report("running")
-
-    def _report(self, state: str, message: str = "") -> None:
-        ray.get(self.control.report_trainer.remote(state, self.step, message), timeout=60)
 
     def next_batch(self) -> list | None:
         """The step's groups on every rank (sorted by prompt index, so a batch's order does not depend on timing),
@@ -168,7 +168,6 @@ class TrainerLoop:
             if self._prompts_finished():  # no group can arrive any more; the last one may have come meanwhile
                 groups = self._take_batch(0.0)
                 return ("groups", groups) if groups else ("exhausted", None)
-            self._report("running")  # the launcher's watchdog: waiting for data is not being dead
         stats = ray.get(self.buffer.stats.remote(), timeout=60)
         raise TimeoutError(
             f"no batch of {cfg.prompts_per_step} groups within trainer.timeout_s={cfg.trainer.timeout_s:.0f} s "
@@ -200,11 +199,11 @@ class TrainerLoop:
         ckpt = self.cfg.checkpoint
         buffer_state = (lambda: ray.get(self.buffer.state_dict.remote(), timeout=120)) if self.is_rank0 else None
         export = (lambda folder: self.export_hf(folder / CHECKPOINT_EXPORT_DIR, step)) if ckpt.export_hf else None
-        with self.heartbeat.during(step, f"saving the checkpoint of step {step}"):
-            save_run_checkpoint(
-                ckpt.save_dir, step, ckpt.keep_last, lambda folder: self.learner.save(folder, step), buffer_state,
-                write_more=export,
-            )  # fmt: skip
+        self.heartbeat.phase(self.step, f"saving the checkpoint of step {step}")
+        save_run_checkpoint(
+            ckpt.save_dir, step, ckpt.keep_last, lambda folder: self.learner.save(folder, step), buffer_state,
+            write_more=export,
+        )  # fmt: skip
         self.saved_step = step
 
     def export_hf(self, folder: Path, step: int) -> None:
@@ -212,10 +211,10 @@ class TrainerLoop:
         in the dtypes of `model.hf_path`, replacing an earlier export there only once the new one is whole."""
         rank, start = self.learner.rank, time.perf_counter()
         model = unwrap_model(self.learner.state.model)
-        with self.heartbeat.during(step, f"exporting the policy of step {step}"):
-            nbytes = export_hf_folder(model, rank.family, rank.arch, rank.ctx, folder, self.cfg.model.hf_path)
-            if self.cfg.lora.enabled:  # the merged model above; the adapters alone beside it, for peft
-                export_lora_adapter(model, rank, self.cfg, folder.parent / PEFT_EXPORT_DIR)
+        self.heartbeat.phase(self.step, f"exporting the policy of step {step}")
+        nbytes = export_hf_folder(model, rank.family, rank.arch, rank.ctx, folder, self.cfg.model.hf_path)
+        if self.cfg.lora.enabled:  # the merged model above; the adapters alone beside it, for peft
+            export_lora_adapter(model, rank, self.cfg, folder.parent / PEFT_EXPORT_DIR)
         if self.is_rank0:
             log.info("exported the policy of step %d to %s (%.1f MB, %.1f s)", step, folder, nbytes / 2**20,
                      time.perf_counter() - start)  # fmt: skip
@@ -224,12 +223,12 @@ class TrainerLoop:
         """(Every rank) send the weights of version `step` to the engines, after checking they are finite (a
         skipped update leaves them as they were). With `algorithm.forced_lag` k the engines get version
         `step - k` instead, and nothing while that is the start version they already hold."""
+        self.heartbeat.phase(self.step, f"pushing the weights of step {step}")
         self.learner.check_weights(step)
-        with self.heartbeat.during(step, f"pushing the weights of step {step}"):  # a recovery may take minutes
-            report = self._push(step)
-            if self.teachers is not None:
-                report["teachers"] = self.teachers.after_step(step)
-            return report
+        report = self._push(step)
+        if self.teachers is not None:
+            report["teachers"] = self.teachers.after_step(step)
+        return report
 
     def _push(self, step: int) -> dict:
         if not self.lagged.lag:
@@ -252,8 +251,7 @@ class TrainerLoop:
         self.reporter.submit(lambda: self._log_step(step, groups, stats, sync_report, t_data, step_s, ended))
 
     def _log_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float, ended):
-        """(Rank 0, the reporter's thread) the heartbeat and the metrics record of `step`, which ended at `ended`."""
-        self._report("running")
+        """(Rank 0, the reporter's thread) the metrics record of `step`, which ended at `ended`."""
         record = collect_metrics(groups, stats, sync_report, self.buffer, step, t_data, step_s, self.zero_variance)
         record["sync/resyncs"] = self.sync.resyncs
         evaluating, later = self.cfg.eval.interval > 0, []
@@ -271,8 +269,9 @@ class TrainerLoop:
         """Finish the last step's report, report the end of training (and why it came early, if it did) and close
         the metrics."""
         if self.is_rank0:
+            self.heartbeat.phase(self.step, f"reporting step {self.step}")
             self.reporter.close()
-            self._report("done", self.end_message)
+            self.heartbeat.stop("done", self.end_message)
             self.metrics.close()
 
 

@@ -1,6 +1,6 @@
 """The run-control actor on a real local Ray: it survives its process being killed (Ray restarts it with its
-state), and the trainer's heartbeat keeps the launcher's watchdog fed through a long block (a checkpoint save, a
-weight-sync recovery)."""
+state), and the trainer's heartbeat reports its phase for its whole life, so a long phase (a checkpoint's load, a
+save, a weight-sync recovery) is not silence."""
 
 from __future__ import annotations
 
@@ -42,18 +42,29 @@ def test_run_control_comes_back_with_its_state_after_its_process_dies():
     assert ray.get(control.engine_restarted.remote("engine-0"), timeout=60) == 2  # and it goes on from there
 
 
-def test_heartbeat_feeds_the_watchdog_while_a_long_block_runs():
+def test_heartbeat_reports_the_phase_and_its_age_for_the_trainers_whole_life():
     control = make_control_actor([("engine-0", 1)], name="control-heartbeat")
-    ray.get(control.report_trainer.remote("running", 3), timeout=60)
-    ages = []
-    with TrainerHeartbeat(control, interval_s=0.3).during(3, "saving the checkpoint of step 3"):
-        for _ in range(8):
-            time.sleep(0.4)
-            ages.append(ray.get(control.trainer_status.remote(), timeout=60)["age_s"])
+    heartbeat = TrainerHeartbeat(control, interval_s=0.3).start()
+    heartbeat.phase(0, "building the model and loading its weights", state="starting")
+    ages, phases = [], []
+    for _ in range(8):  # the main thread busy in one long phase: the beats go on
+        time.sleep(0.4)
         status = ray.get(control.trainer_status.remote(), timeout=60)
-    assert max(ages) < 1.0, ages  # without the heartbeat the age would reach 3.2 s
-    assert status["message"] == "saving the checkpoint of step 3" and status["step"] == 3
+        ages.append(status["age_s"])
+        phases.append(status["phase_s"])
+    assert max(ages) < 1.0, ages  # without the beats the age would reach 3.2 s
+    assert status["state"] == "starting" and status["message"] == "building the model and loading its weights"
+    assert phases == sorted(phases) and phases[-1] > 2.5, phases  # how long it has been at it
+    heartbeat.phase(3, "training step 4")
+    time.sleep(0.8)
+    status = ray.get(control.trainer_status.remote(), timeout=60)
+    assert (status["state"], status["step"], status["message"]) == ("running", 3, "training step 4")
+    assert status["phase_s"] < 1.5, status  # a new phase starts its clock again
+    heartbeat.stop("done", "all steps")
     time.sleep(1.0)
-    assert ray.get(control.trainer_status.remote(), timeout=60)["age_s"] > 0.9  # it stops with the block
-    with TrainerHeartbeat(None).during(3, "not rank 0"):  # the other ranks: nothing to report to
-        pass
+    status = ray.get(control.trainer_status.remote(), timeout=60)
+    assert (status["state"], status["step"], status["message"]) == ("done", 3, "all steps")
+    assert status["age_s"] > 0.9  # no beat after the end
+    quiet = TrainerHeartbeat(None).start()  # the other ranks: nothing to report to
+    quiet.phase(1, "training step 2")
+    quiet.stop("done")

@@ -86,7 +86,7 @@ def _run(cfg, buffer=None, rank0: bool = True, step: int = 0) -> TrainerLoop:
     run.buffer = Local(buffer) if buffer is not None else None
     run.control = Local(Control())
     run.sync = NoRosterChange()
-    run.heartbeat = TrainerHeartbeat(None)
+    run.heartbeat = TrainerHeartbeat(run.control)  # not started: no beats, only the last report
     run.teachers = None
     run.reporter = BackgroundReporter()
     return run
@@ -187,6 +187,7 @@ def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
         def __init__(self, cfg, spec):
             self.step, self.batches, self.calls = 0, 2, []
             self.learner = types.SimpleNamespace(step=lambda batch, version=None: {"loss": 0.0})
+            self.heartbeat = types.SimpleNamespace(phase=lambda step, what: self.calls.append((what, step)))
 
         def push(self, step):
             return {"seconds": 0.0}
@@ -213,7 +214,11 @@ def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
     monkeypatch.setattr(loop, "TrainerLoop", FakeRun)
     monkeypatch.setattr(loop, "to_train_batch", lambda groups, cfg, learner: groups)
     loop.run_loop(_cfg("steps=5"), {"run_dir": "/nowhere/run"})
-    assert made[0].calls == [("step", 1), ("step", 2), ("out of prompts", 2), ("export", 2, "hf"), ("close", 2)]
+    assert made[0].calls == [
+        ("waiting for the batch of step 1", 0), ("training step 1", 0), ("step", 1),
+        ("waiting for the batch of step 2", 1), ("training step 2", 1), ("step", 2),
+        ("waiting for the batch of step 3", 2), ("out of prompts", 2), ("export", 2, "hf"), ("close", 2),
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,6 +393,7 @@ class RecordingSync:
 
 def _push_loop(model, lag: int):
     run = TrainerLoop.__new__(TrainerLoop)
+    run.step = 0
     run.learner = types.SimpleNamespace(check_weights=lambda step: learner.Learner.check_weights(fake, step))
     fake = types.SimpleNamespace(state=types.SimpleNamespace(model=model))
     run.sync = RecordingSync(model)
