@@ -17,6 +17,9 @@ import torch.distributed as dist
 from megatron_rl.parallel.devices import compute_device
 from megatron_rl.weights.sync import SyncError, engine_handles
 
+RESTART_NEWS_S = 30.0
+"""How often rank 0, waiting for an engine's restart, tells the other ranks it still waits (each broadcast then
+waits far less than the trainer's collective timeout, which a restart may take longer than)."""
 ROSTER_POLL_S = 1.0
 """How often rank 0 reads the roster between batches: a restarted engine waits up to this long for its weights (the
 supervisor routes prompts to it only then), and a step need not pay a Ray call for it."""
@@ -74,16 +77,35 @@ class RecoveringSync:
         errors: list = [None] * dist.get_world_size()
         dist.all_gather_object(errors, None if error is None else str(error))
         failed = [e for e in errors if e]
-        roster = [self._await_restart(failed[0])] if self.is_coordinator else [None]
-        dist.broadcast_object_list(roster, src=0)
-        return self.resync(roster[0], version) | {"recovered_from": failed[0]}
+        return self.resync(self._agree_on_restart(failed[0]), version) | {"recovered_from": failed[0]}
 
-    def _await_restart(self, reason: str) -> dict:
-        """(Rank 0) wait until the launcher restarted the dead engine(s); SyncError naming them after the timeout."""
+    def _agree_on_restart(self, reason: str) -> dict:
+        """(Every rank) the roster with the restarted engine(s), from rank 0, which waits for it and tells the
+        others every RESTART_NEWS_S that it still waits: their broadcasts never near the collective timeout, however
+        long a restart may take. No restart within `timeout_s` (or rank 0's own error) is a SyncError on every
+        rank, with rank 0's message."""
         deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            roster = self.roster_changed()
-            if roster is not None:
-                return roster
-            time.sleep(0.5)
-        raise SyncError(f"weight sync failed and no engine restart came within {self.timeout_s:.0f} s: {reason}")
+        while True:
+            news = [self._restart_news(reason, deadline) if self.is_coordinator else None]
+            dist.broadcast_object_list(news, src=0)
+            kind, data = news[0]
+            if kind == "roster":
+                return data
+            if kind == "error":
+                raise SyncError(data)
+
+    def _restart_news(self, reason: str, deadline: float) -> tuple[str, object]:
+        """(Rank 0) ("roster", the new roster) once the restart came; ("waiting", None) after RESTART_NEWS_S
+        without it; ("error", why) past the deadline or when reading the roster failed."""
+        until = min(deadline, time.monotonic() + RESTART_NEWS_S)
+        try:
+            while time.monotonic() < until:
+                roster = self.roster_changed()
+                if roster is not None:
+                    return "roster", roster
+                time.sleep(0.5)
+        except Exception as err:
+            return "error", f"waiting for an engine restart: {type(err).__name__}: {err} (after: {reason})"
+        if time.monotonic() < deadline:
+            return "waiting", None
+        return "error", f"weight sync failed and no engine restart came within {self.timeout_s:.0f} s: {reason}"
