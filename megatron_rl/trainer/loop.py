@@ -25,6 +25,7 @@ from megatron_rl.metrics.background import BackgroundReporter
 from megatron_rl.metrics.evals import EvalInbox
 from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
+from megatron_rl.models.base import CheckpointError
 from megatron_rl.parallel.groups import destroy_distributed
 from megatron_rl.parallel.scheduling import place_process
 from megatron_rl.rollout.control import TrainerHeartbeat
@@ -68,7 +69,7 @@ def run_loop(cfg: RunConfig, spec: dict) -> None:
         loop.heartbeat.phase(loop.step, f"training step {step}")
         stats = loop.learner.step(to_train_batch(groups, cfg, loop.learner), version=step - 1)  # weights of step - 1
         if cfg.checkpoint.save_dir and is_due(step, cfg.checkpoint.save_interval, cfg.steps):
-            loop.save_checkpoint(step)  # before the engines see version `step`: see run_state.py
+            loop.save_checkpoint(step, last=step == cfg.steps)  # before the engines see version `step`: run_state.py
         sync_report = loop.push(step)
         loop.finish_step(step, groups, stats, sync_report, t_data, time.perf_counter() - t0)
     if cfg.checkpoint.export_final:
@@ -187,24 +188,40 @@ class TrainerLoop:
         step when saving is configured (unless it is saved already), and let the run end normally."""
         cfg = self.cfg
         if cfg.checkpoint.save_dir and self.step > self.saved_step:
-            self.save_checkpoint(self.step)
+            self.save_checkpoint(self.step, last=True)
         self.end_message = f"prompt stream exhausted after step {self.step} (task.epochs={cfg.task.epochs})"
         if self.is_rank0:
             log.warning("%s: the run ends before steps=%d", self.end_message, cfg.steps)
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, last: bool = False) -> None:
         """(Every rank) the whole-run checkpoint of `step`: trainer state, RNG, buffer contents and data position,
         staged and committed by `run_state.save_run_checkpoint` (a failed save leaves the previous one in charge);
-        with `checkpoint.export_hf`, the policy as a Hugging Face folder inside it too."""
+        with `checkpoint.export_hf`, the policy as a Hugging Face folder inside it too. When the `last` save of
+        the run fails, the final export (`checkpoint.export_final`) is still written before its error is raised:
+        the run's result does not go with the save."""
         ckpt = self.cfg.checkpoint
         buffer_state = (lambda: ray.get(self.buffer.state_dict.remote(), timeout=120)) if self.is_rank0 else None
         export = (lambda folder: self.export_hf(folder / CHECKPOINT_EXPORT_DIR, step)) if ckpt.export_hf else None
         self.heartbeat.phase(self.step, f"saving the checkpoint of step {step}")
-        save_run_checkpoint(
-            ckpt.save_dir, step, ckpt.keep_last, lambda folder: self.learner.save(folder, step), buffer_state,
-            write_more=export,
-        )  # fmt: skip
+        try:
+            save_run_checkpoint(
+                ckpt.save_dir, step, ckpt.keep_last, lambda folder: self.learner.save(folder, step), buffer_state,
+                write_more=export,
+            )  # fmt: skip
+        except CheckpointError:  # the same error on every rank (the ranks agree), so all of them export
+            if last and ckpt.export_final:
+                self._export_after_failed_save(step)
+            raise
         self.saved_step = step
+
+    def _export_after_failed_save(self, step: int) -> None:
+        folder = Path(self.spec["run_dir"]) / FINAL_EXPORT_DIR
+        try:
+            self.export_hf(folder, step)
+        except Exception as err:  # the save's error is the one to raise
+            log.error("the final export to %s failed too: %s: %s", folder, type(err).__name__, err)
+        else:
+            log.warning("the last checkpoint failed, but the final policy is exported to %s", folder)
 
     def export_hf(self, folder: Path, step: int) -> None:
         """(Every rank) the current policy (that of `step`) as a Hugging Face checkpoint folder (weights/export.py),

@@ -9,6 +9,7 @@ import logging
 import math
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from megatron_rl import launcher
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.trainer import COLLECTIVE_TIMEOUT_MARGIN_S
 from megatron_rl.metrics.background import BackgroundReporter
+from megatron_rl.models.base import CheckpointError
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.driver import GenerationError
 from megatron_rl.run_state import ResumeError, mark_latest, step_dir, write_run_state
@@ -164,12 +166,12 @@ def test_a_group_that_arrives_as_the_stream_finishes_still_makes_the_batch(broad
 
 def test_ending_out_of_prompts_checkpoints_the_last_step_once(monkeypatch, caplog, broadcasts):
     saved = []
-    monkeypatch.setattr(TrainerLoop, "save_checkpoint", lambda self, step: saved.append(step))
+    monkeypatch.setattr(TrainerLoop, "save_checkpoint", lambda self, step, last: saved.append((step, last)))
     run = _run(_cfg("checkpoint.save_dir=/ckpt", "task.epochs=2", "steps=50"), step=7)
     run.saved_step = 6
     with caplog.at_level(logging.WARNING, logger="megatron_rl.trainer.loop"):
         run.end_out_of_prompts()
-    assert saved == [7]
+    assert saved == [(7, True)]  # the run's last save: a failed one still writes the final export
     assert "prompt stream exhausted after step 7 (task.epochs=2)" in caplog.text
     run.metrics = types.SimpleNamespace(close=lambda: None)
     run.close()
@@ -179,7 +181,7 @@ def test_ending_out_of_prompts_checkpoints_the_last_step_once(monkeypatch, caplo
     already.end_out_of_prompts()
     unsaved = _run(_cfg("task.epochs=2"), step=9)  # no save_dir: nothing to save
     unsaved.end_out_of_prompts()
-    assert saved == [7]
+    assert saved == [(7, True)]
 
 
 def test_run_loop_stops_cleanly_when_the_prompts_run_out(monkeypatch):
@@ -302,7 +304,6 @@ def test_a_fresh_run_refuses_a_save_dir_with_another_runs_latest(tmp_path):
 
 
 def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_path, caplog, monkeypatch):
-    from megatron_rl.models.base import CheckpointError
     from megatron_rl.run_state import latest_checkpoint, save_run_checkpoint
     from megatron_rl.trainer.checkpoint import CorruptCheckpointError
 
@@ -503,3 +504,20 @@ def test_the_finiteness_check_reads_sums_first_and_confirms_element_by_element(l
     with torch.no_grad():
         model.weight[1, 0] = float("nan")
     assert not learner.weights_finite(model)
+
+
+@pytest.mark.parametrize("last", [True, False])
+def test_a_failed_last_save_still_writes_the_final_export_and_raises_the_saves_error(monkeypatch, caplog, last):
+    def failing_save(*args, **kwargs):
+        raise CheckpointError("saving the checkpoint of step 5 failed: OSError: [Errno 28] No space left on device")
+
+    exported = []
+    monkeypatch.setattr(loop, "save_run_checkpoint", failing_save)
+    monkeypatch.setattr(TrainerLoop, "export_hf", lambda self, folder, step: exported.append((folder, step)))
+    run = _run(_cfg("checkpoint.save_dir=/ckpt", "steps=5"), step=4)
+    run.spec = {"run_dir": "/runs/r"}
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.trainer.loop"), pytest.raises(CheckpointError):
+        run.save_checkpoint(5, last=last)
+    assert exported == ([(Path("/runs/r") / loop.FINAL_EXPORT_DIR, 5)] if last else [])
+    assert ("the final policy is exported to /runs/r/hf" in caplog.text) == last
+    assert run.saved_step == 4
