@@ -32,7 +32,7 @@ from megatron_rl.rollout.engine_mode import (
     eager_mode,
     prepare_engine_process,
 )
-from megatron_rl.rollout.engine_outputs import has_weight_versions, sampled_logprob, span_versions
+from megatron_rl.rollout.engine_outputs import has_weight_versions, label_versions, sampled_logprob, span_versions
 from megatron_rl.rollout.types import GenerationRequest, GenerationResult
 from megatron_rl.weights.engine.routes import merge_worker_routes, stitch_segments
 from megatron_rl.weights.engine.worker import (
@@ -98,6 +98,7 @@ class VLLMEngine:
         self.stats = {"generated_tokens": 0, "requests": 0, "continuations": 0, "busy_seconds": 0.0}
         self._active = 0
         self._busy_since: float | None = None
+        self._core_calls = 0  # our worker RPCs running in vLLM's engine core: `health` does not queue behind them
         native = spec.native_routes if spec.native_routes is not None else _on_gpu()
         self._native_routes = spec.capture_routes and native
         self._hook_routes = spec.capture_routes and not native
@@ -119,7 +120,7 @@ class VLLMEngine:
             self._native_versions = has_weight_versions(llm)
             if self._native_versions:  # labelled before any request can reach it (`engine_outputs.py`)
                 try:
-                    await _labelled(llm, self.version, self.spec.rpc_timeout_s)
+                    await label_versions(llm, self.version, self.spec.rpc_timeout_s)
                 except BaseException:
                     with contextlib.suppress(Exception):  # the label's error is the one to report
                         llm.shutdown()
@@ -414,10 +415,14 @@ class VLLMEngine:
         (which vLLM's own weight checksums use) returns each one's."""
         llm = self._require()
         core = getattr(llm, "engine_core", None)
-        if self.spec.data_parallel > 1 and hasattr(core, "call_utility_all_async"):
-            replicas = await core.call_utility_all_async("collective_rpc", method, timeout, args, None)
-            return [result for results in replicas for result in results]
-        return await llm.collective_rpc(method, timeout=timeout, args=args)
+        self._core_calls += 1
+        try:
+            if self.spec.data_parallel > 1 and hasattr(core, "call_utility_all_async"):
+                replicas = await core.call_utility_all_async("collective_rpc", method, timeout, args, None)
+                return [result for results in replicas for result in results]
+            return await llm.collective_rpc(method, timeout=timeout, args=args)
+        finally:
+            self._core_calls -= 1
 
     async def init_weight_groups(self, groups_json: str, rank_offset: int, timeout_s: float) -> list:
         """Have every worker join the weight-transfer groups (one per trainer sender) as offset + its rank."""
@@ -473,7 +478,7 @@ class VLLMEngine:
         if self._native_routes:
             await self.reset_prefix_cache()
         if self._native_versions:  # while paused: every token sampled from here on is the new version's
-            await _labelled(self._llm, version, self.spec.rpc_timeout_s)
+            await label_versions(self._llm, version, self.spec.rpc_timeout_s)
         return results
 
     def _fail_update(self, version: int, err: BaseException, expired: str | None = None) -> None:
@@ -522,11 +527,15 @@ class VLLMEngine:
 
     async def health(self) -> dict:
         """Whether vLLM is alive (not when it left a weight update unanswered: `stuck` says so), its weight
-        version and whether its weights are consistent."""
+        version and whether its weights are consistent. It goes through vLLM's engine core(s) unless a worker RPC of
+        ours (with its own deadline) runs there: a hung core, a live process to vLLM's own check, leaves the probe
+        unanswered, which the supervisor takes for a hang after rollout.hang_timeout_s."""
         llm = self._require()
         alive = not self.stuck
         try:
             await llm.check_health()
+            if not self._core_calls:
+                await llm.is_paused()
         except Exception:  # vLLM raises EngineDeadError and friends
             alive = False
         return {
@@ -575,11 +584,6 @@ async def pause_scheduler(llm, mode: str, clear_cache: bool) -> None:
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
     await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
-
-
-async def _labelled(llm, version: int, timeout_s: float) -> None:
-    """Have vLLM label the outputs of every step from now on with weight `version` (TimeoutError past `timeout_s`)."""
-    await asyncio.wait_for(llm.update_weight_version(str(version)), timeout_s)
 
 
 def _on_gpu() -> bool:

@@ -12,12 +12,18 @@ when it arrives.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 
 def has_weight_versions(llm) -> bool:
     """Whether this vLLM labels its outputs with the weight versions the engine gives it."""
     return callable(getattr(llm, "update_weight_version", None))
+
+
+async def label_versions(llm, version: int, timeout_s: float) -> None:
+    """Have vLLM label the outputs of every step from now on with weight `version` (TimeoutError past `timeout_s`)."""
+    await asyncio.wait_for(llm.update_weight_version(str(version)), timeout_s)
 
 
 def span_versions(spans: Sequence | None, count: int) -> list[int] | None:

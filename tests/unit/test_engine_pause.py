@@ -11,8 +11,8 @@ import pytest
 
 from megatron_rl.rollout import engine as engine_module
 from megatron_rl.rollout.driver import ask_health
-from megatron_rl.rollout.engine import EngineError, EngineSpec, GenerationRequest, VLLMEngine, _labelled
-from megatron_rl.rollout.engine_outputs import has_weight_versions, span_versions
+from megatron_rl.rollout.engine import EngineError, EngineSpec, GenerationRequest, VLLMEngine
+from megatron_rl.rollout.engine_outputs import has_weight_versions, label_versions, span_versions
 
 
 class StandInLLM:
@@ -33,6 +33,9 @@ class StandInLLM:
         if self.resume_error is not None:
             raise self.resume_error
         self.paused = False
+
+    async def is_paused(self) -> bool:  # the health probe's round trip through the engine core
+        return self.paused
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = ()) -> list:
         self.update_started.set()
@@ -312,7 +315,7 @@ async def _labelled_request_running(total: int, native: bool = True) -> tuple[La
     llm = LabellingLLM(total=total)
     engine = _engine(llm)
     engine._native_versions = native
-    await _labelled(llm, 0, 5.0)
+    await label_versions(llm, 0, 5.0)
     request = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[1, 2], max_tokens=total)))
     await llm.started.wait()
     return llm, engine, request
@@ -474,3 +477,35 @@ def test_one_output_per_request_where_vllm_labels_the_versions():
     assert "weight_versions" in {f.name for f in dataclasses.fields(CompletionOutput)}
     assert span_versions([WeightVersionSpan("3", 0, 2)], 2) == [3, 3]
     assert has_weight_versions(vllm.v1.engine.async_llm.AsyncLLM)
+
+
+def test_a_hung_engine_core_leaves_the_health_probe_unanswered_but_a_running_update_does_not():
+    """vLLM's `check_health` only sees whether the engine core's process died: a core that hangs (a stuck kernel or
+    collective) passed it while every request waited. The probe now goes through the core; while a worker RPC of
+    ours runs there (an update, with its own deadline) it does not queue behind it."""
+
+    async def scenario():
+        llm = StandInLLM()
+        llm.check_health = lambda: asyncio.sleep(0)
+        engine = _engine(llm)
+        actor = types.SimpleNamespace(health=types.SimpleNamespace(remote=engine.health))
+        healthy = await ask_health(actor, 1.0)
+        core_free = asyncio.Event()
+
+        async def hung_core() -> bool:
+            await core_free.wait()
+            return False
+
+        llm.is_paused = hung_core
+        hung = await ask_health(actor, 0.3)
+        update, request = await _request_parked_under_update(engine, llm)  # the RPC waits for `release`
+        during_update = await ask_health(actor, 0.3)
+        llm.release.set()
+        core_free.set()
+        await asyncio.wait_for(asyncio.gather(update, request), 5)
+        return healthy, hung, during_update
+
+    healthy, hung, during_update = asyncio.run(scenario())
+    assert healthy[0]["alive"] is True and healthy[1] is None
+    assert hung == ({}, None)  # unanswered: after rollout.hang_timeout_s of these the supervisor restarts it
+    assert during_update[0]["alive"] is True and during_update[1] is None
