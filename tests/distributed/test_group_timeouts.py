@@ -10,9 +10,11 @@ from tests.support.group_timeout_worker import TIMEOUT_S
 
 def test_every_group_takes_the_configured_timeout_and_a_missing_peer_fails_within_it(tmp_path):
     """Megatron takes its groups' timeout in minutes: it was rounded down to whole minutes (at least one), so a
-    90 s setting gave Megatron's groups 60 s and a 5 s one 60 s."""
+    90 s setting gave Megatron's groups 60 s and a 5 s one 60 s; and it made its expert data-parallel gloo group
+    without a timeout (torch's 30 minutes)."""
     out = tmp_path / "report.json"
     run_torchrun("tests.support.group_timeout_worker", [str(out)], 2, timeout_s=180, log_path=tmp_path / "log.txt")
     report = json.loads(out.read_text())
-    assert report["timeouts"] == dict.fromkeys(("world", "tp", "dp", "ep", "pp"), TIMEOUT_S), report
+    names = ("world", "tp", "dp", "ep", "pp", "dp_gloo", "expert_dp_gloo")
+    assert report["timeouts"] == dict.fromkeys(names, TIMEOUT_S), report
     assert report["raised"] is not None and TIMEOUT_S - 0.5 <= report["failed_after_s"] < TIMEOUT_S + 2, report

@@ -33,6 +33,8 @@ def main(out: str) -> None:
         "dp": ps.get_data_parallel_group(),
         "ep": ps.get_expert_model_parallel_group(),
         "pp": ps.get_pipeline_model_parallel_group(),
+        "dp_gloo": ps.get_data_parallel_group_gloo(),
+        "expert_dp_gloo": ps.get_expert_data_parallel_group_gloo(),  # Megatron made it without its timeout
     }
     report = {"timeouts": {name: _timeout_s(group) for name, group in groups.items()}}
     if dist.get_rank() == 0:

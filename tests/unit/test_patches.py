@@ -166,6 +166,7 @@ def test_all_patches_applied_once(patched):
         "mla_have_te_flag",
         "expert_bias_padding_mask",
         "aux_loss_empty_micro_batch",
+        "gloo_group_timeout",
     }
     assert patched["idempotent"]
 

@@ -8,8 +8,10 @@ checked. Each imports what it patches when it is applied (see the package docstr
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import importlib
+import inspect
 import types
 
 import torch
@@ -398,7 +400,37 @@ def _patch_aux_loss_empty_micro_batch() -> None:
     router.switch_load_balancing_loss_func = switch_load_balancing_loss_func
 
 
-_ALL_DEVICES = (_patch_expert_bias_padding_mask, _patch_aux_loss_empty_micro_batch)
+def _patch_gloo_group_timeout() -> None:
+    """Failure (any device): `initialize_model_parallel` creates EXPERT_DATA_PARALLEL_GROUP_GLOO without the
+    `timeout` it gives every other group, so torch's `new_group` gives it 30 minutes whatever
+    `distributed_timeout_minutes` says: a peer gone while the distributed optimizer gathers expert state over it (a
+    checkpoint save) held the others 30 minutes, not trainer.timeout_s + 120 s. Fix: a group made inside
+    `initialize_model_parallel` without a timeout gets the call's. megatron-core 0.16.1, torch 2.13.0.
+    """
+    from megatron.core import parallel_state  # at apply time (see the module docstring)
+
+    initialize, create = parallel_state.initialize_model_parallel, parallel_state.create_group
+    within: list[datetime.timedelta] = []  # the timeout of the initialize_model_parallel call running
+
+    @functools.wraps(initialize)
+    def initialize_model_parallel(*args, **kwargs):
+        bound = inspect.signature(initialize).bind(*args, **kwargs)
+        bound.apply_defaults()
+        within.append(datetime.timedelta(minutes=bound.arguments["distributed_timeout_minutes"]))
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            within.pop()
+
+    @functools.wraps(create)
+    def create_group(ranks=None, timeout=None, *args, **kwargs):
+        return create(ranks, timeout if timeout is not None or not within else within[-1], *args, **kwargs)
+
+    parallel_state.initialize_model_parallel = initialize_model_parallel
+    parallel_state.create_group = create_group
+
+
+_ALL_DEVICES = (_patch_expert_bias_padding_mask, _patch_aux_loss_empty_micro_batch, _patch_gloo_group_timeout)
 """Fixes of Megatron-Core itself, applied on every device."""
 
 _CPU_ONLY = (
