@@ -52,6 +52,14 @@ def returns_a_coroutine(response, answer, sample=None):
     return async_exact(response, answer)
 
 
+def sleeps_then_exact(response, answer, sample=None):
+    """`exact` after 0.4 s (calls that queue behind each other on one worker)."""
+    import time
+
+    time.sleep(0.4)
+    return float(response == str(answer))
+
+
 def half(response, answer, sample=None):
     """0.5 for any response (a second function to give the same reward name)."""
     return 0.5

@@ -32,6 +32,7 @@ from tests.support.process_rewards import (
     returns_a_lambda,
     returns_exits_on_load,
     returns_refuses_to_load,
+    sleeps_then_exact,
     uses_a_process,
 )
 
@@ -251,3 +252,17 @@ def test_a_child_the_reward_left_holding_the_pipe_neither_blocks_the_worker_nor_
     left = subprocess.run(["pgrep", "-f", "sleep 31.5"], capture_output=True, text=True).stdout.split()
     assert _gone([int(pid) for pid in left], 5.0)  # killed with the reward's process group
     runner.shutdown()
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_calls_time_runs_from_its_start_not_from_its_wait_for_a_worker(isolation):
+    """One worker, three calls of 0.4 s each at once, 0.7 s each: the third starts 0.8 s after it was made (and in a
+    process, the first waits for the process to start and import). The time waiting counted before: the second
+    and third failed as "timed out" without having run long, their groups dropped."""
+    runner = RewardRunner(timeout_s=0.7, workers=1, isolation=isolation)
+    start = time.monotonic()
+    scored = _score(runner, sleeps_then_exact, ["1", "2", "1"])
+    took = time.monotonic() - start
+    runner.shutdown()
+    assert [s.reward for s in scored] == [1.0, 0.0, 1.0], [s.error for s in scored]
+    assert took >= 1.2 and runner.stuck_threads == 0

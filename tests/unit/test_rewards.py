@@ -387,15 +387,17 @@ def test_a_reward_past_its_time_fails_and_its_thread_is_replaced():
     runner.shutdown()
 
 
-def test_calls_queued_past_their_time_are_skipped_not_run():
-    """With one thread, the group's second call waits in the queue behind the first, which runs past its time:
-    both fail; the second never runs, and only the first's thread is written off."""
+def test_each_queued_call_runs_with_its_own_time_and_a_slow_one_still_fails_at_it():
+    """With one thread, the group's second call waits in the queue behind the first, which runs past its time: the
+    first is given up on 0.3 s after it began (its thread written off), then the second runs and fails at its own
+    0.3 s; neither is failed for the time it waited."""
     runner = RewardRunner(timeout_s=0.3, workers=1)
     RECEIVED.clear()
+    start = time.monotonic()
     scored = _score(["records_and_sleeps"], TRL_RECORD, ["1", "2"], runner)
     assert all(math.isnan(s.reward) and "timed out" in s.error for s in scored)
-    time.sleep(1.5)  # the stuck call has returned; a queued call not skipped would have run by now
-    assert RECEIVED == [("records_and_sleeps", "1")] and runner.stuck_threads == 1
+    assert 0.55 < time.monotonic() - start < 0.95  # one after the other, each at its own time
+    assert RECEIVED == [("records_and_sleeps", "1"), ("records_and_sleeps", "2")] and runner.stuck_threads == 2
     assert [s.reward for s in _score(["ours"], TRL_RECORD, ["12"], runner)] == [1.0]
     runner.shutdown()
 

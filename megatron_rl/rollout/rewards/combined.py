@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,8 +89,8 @@ class RewardRunner:
                 workers = self._processes if isolated else self._threads
                 if isolated and spec.convention == "ours" and spec.target() in SAMPLE_BLIND:
                     args = (*args[:2], None)  # (response, answer, sample)
-                future, queued = workers.submit(spec if isolated else spec.target(), args, kwargs, self.timeout_s)
-                ok, value = await asyncio.wait_for(future, self.timeout_s)
+                future, queued = workers.submit(spec if isolated else spec.target(), args, kwargs)
+                ok, value = await self._result(future, queued)
                 if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
                     queued = None
                     ok, value = await asyncio.wait_for(_guarded_await(value), self.timeout_s)
@@ -106,6 +107,20 @@ class RewardRunner:
         if not ok:
             raise RewardFailure(value)
         return value
+
+    async def _result(self, future: asyncio.Future, call) -> tuple[bool, Any]:
+        """The plain call's (ok, value), or TimeoutError `timeout_s` after it began to run: its wait in the queue
+        for a free worker (or for its process to start) does not count. Each running call is bounded, so the queue
+        moves."""
+        wait = self.timeout_s
+        while True:
+            done, _ = await asyncio.wait((future,), timeout=wait)
+            if done:
+                return future.result()
+            started = call.started_at
+            wait = self.timeout_s if started is None else started + self.timeout_s - time.monotonic()
+            if wait <= 0:
+                raise asyncio.TimeoutError
 
     def shutdown(self) -> None:
         """Take no more calls (a later one raises RuntimeError); queued and running ones finish on their threads or

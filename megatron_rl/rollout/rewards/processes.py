@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -194,6 +195,7 @@ class ProcessWorkers(_Workers):
                     if call.state == "abandoned":  # given up on before its process was known
                         continue
                     child.current, self._running[id(call)] = call, child
+                    call.started_at = time.monotonic()  # its time runs from here, not from a process's start
                 try:
                     result = child.run(call.fn, call.args, call.kwargs)
                 except (Exception, SystemExit) as err:  # this thread must live on: it is one of `count`

@@ -34,11 +34,11 @@ def guarded_call(fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 class _Call:
     """One plain reward call queued for a worker, and how far it got (the workers' lock guards `state`)."""
 
-    __slots__ = ("loop", "future", "fn", "args", "kwargs", "deadline", "state")
+    __slots__ = ("loop", "future", "fn", "args", "kwargs", "started_at", "state")
 
-    def __init__(self, loop, future, fn, args, kwargs, deadline):
+    def __init__(self, loop, future, fn, args, kwargs):
         self.loop, self.future, self.fn, self.args, self.kwargs = loop, future, fn, args, kwargs
-        self.deadline = deadline  # time.monotonic() past which the call is not started
+        self.started_at: float | None = None  # time.monotonic() when a worker began running it: its time counts
         self.state = "queued"  # -> "running" -> "done", or "abandoned" (past its time) at any point before "done"
 
 
@@ -63,14 +63,14 @@ class _Workers:
         self._threads += 1
         threading.Thread(target=self._work, name="reward", daemon=True).start()
 
-    def submit(self, fn: Any, args: tuple, kwargs: dict, timeout_s: float) -> tuple[asyncio.Future, _Call]:
-        """Queue a call of `fn` (a function for threads, a `RewardFunction` for processes), to start within
-        `timeout_s` or not at all; the future (of the running loop) gets its (ok, value or why)."""
+    def submit(self, fn: Any, args: tuple, kwargs: dict) -> tuple[asyncio.Future, _Call]:
+        """Queue a call of `fn` (a function for threads, a `RewardFunction` for processes); the future (of the
+        running loop) gets its (ok, value or why), and the call's `started_at` says when it began to run."""
         if self._closed:
             raise RuntimeError("reward calls after the runner was shut down")
         self.ensure_started()
         loop = asyncio.get_running_loop()
-        call = _Call(loop, loop.create_future(), fn, args, kwargs, time.monotonic() + timeout_s)
+        call = _Call(loop, loop.create_future(), fn, args, kwargs)
         self._calls.put(call)
         return call.future, call
 
@@ -92,8 +92,7 @@ class _Workers:
         """The next call to run (marked running), or None once shut down."""
         while (call := self._calls.get()) is not None:
             with self._lock:
-                if call.state == "abandoned" or time.monotonic() >= call.deadline:
-                    call.state = "abandoned"  # its caller has given up, or is about to
+                if call.state == "abandoned":  # its caller was cancelled
                     continue
                 call.state = "running"
             return call
@@ -133,7 +132,7 @@ class DaemonWorkers(_Workers):
     Daemon because a call past its time cannot be stopped, and the interpreter joins the threads of a
     `ThreadPoolExecutor` at exit: one reward that never returned kept the launcher from exiting after its run. A
     call abandoned while it runs writes its thread off (the thread ends when the call returns) and a new thread
-    takes its place; one still queued at its deadline is skipped."""
+    takes its place."""
 
     def abandon(self, call: _Call) -> None:
         """Give up on `call` (past its time): skipped if still queued, its thread replaced if running."""
@@ -143,5 +142,6 @@ class DaemonWorkers(_Workers):
 
     def _work(self) -> None:
         while (call := self._take()) is not None:
+            call.started_at = time.monotonic()
             if not self._deliver(call, guarded_call(call.fn, call.args, call.kwargs)):
                 return  # written off: a new thread has this one's place
