@@ -147,7 +147,7 @@ class LocalTrainerJob:
         """Raise LaunchError, naming the failed rank and its error (or why the job is lost), when the job did not
         succeed."""
         if self.proc.poll() is None and self.lost is not None:
-            raise LaunchError(self.lost)
+            raise LaunchError(f"{self.lost}; the trainer's log: {self.log_path}")
         if self.proc.wait() != 0:
             raise log_failure(self.log_path, TRAINER_MODULE, self.proc.returncode)
 
@@ -437,7 +437,8 @@ def start_trainer_job(
 ) -> LocalTrainerJob | ExternalTrainerJob:
     """Start torchrun here (its output to `log_dir/trainer.log`), or (`external`) watch a trainer started
     elsewhere through its reports."""
-    # Silent longer than a collective may wait: rank 0 would have reported the collective's error.
+    # Beats come every 10 s: silence this long (a collective's wait and a minute, as before the beats ran
+    # through every phase) means rank 0's process, or its Python, or its way to Ray is gone.
     watch = TrainerWatch(control, cfg.trainer.collective_timeout_s + 60, cfg.stall_timeout_s)
     if external:
         return ExternalTrainerJob(watch)

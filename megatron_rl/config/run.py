@@ -146,12 +146,14 @@ class RunConfig(Section):
 
     @property
     def phase_wait_s(self) -> float:
-        """The longest the other timeouts let one phase of trainer rank 0 wait: a collective, a weight push that
-        fails, waits for the engine's restart and pushes again, the last step's evaluation."""
+        """The longest the other timeouts let one phase of trainer rank 0 wait (the trainer starts a new phase
+        at each of these waits): a collective or a batch, an engine's restart, forming the weight groups and
+        pushing (the engines' start, connect and join, then a push and its reports: 4 x sync.timeout_s + 30),
+        the last step's evaluation."""
         r = self.rollout
-        push = 2 * self.sync.timeout_s + r.hang_timeout_s + r.restart_timeout_s
+        restart, engines = r.hang_timeout_s + r.restart_timeout_s, 4 * self.sync.timeout_s + 30
         evaluation = self.eval.timeout_s if self.eval.interval > 0 else 0.0
-        return max(self.trainer.collective_timeout_s, push, evaluation)
+        return max(self.trainer.collective_timeout_s, restart, engines, evaluation)
 
     @property
     def stall_timeout_s(self) -> float:
@@ -166,9 +168,9 @@ class RunConfig(Section):
         if stall is not None and stall < wait + 60:
             raise ValueError(
                 f"trainer.stall_timeout_s={stall:g} must exceed by 60 s the {wait:g} s that the other timeouts let"
-                " one trainer phase wait (the longest of trainer.timeout_s + 120, a failed weight push:"
-                " 2 x sync.timeout_s + rollout.hang_timeout_s + rollout.restart_timeout_s, and eval.timeout_s):"
-                " the launcher would end a run that is only waiting"
+                " one trainer phase wait (the longest of trainer.timeout_s + 120, rollout.hang_timeout_s +"
+                " rollout.restart_timeout_s, 4 x sync.timeout_s + 30 and eval.timeout_s): the launcher would end a"
+                " run that is only waiting"
             )
         return self
 

@@ -1,8 +1,8 @@
 """Run control: the small shared state between the launcher and the trainer's rank 0, as a Ray actor.
 
 The launcher and the trainer are separate process trees (torchrun may even run on other nodes), so they meet
-here: the trainer reports its progress (a heartbeat the launcher watches, so a dead trainer is noticed within
-`trainer.timeout_s`), and the launcher publishes the engine roster, whose epoch grows every time an engine is
+here: the trainer's rank 0 reports its progress (a heartbeat with the phase it is in, which the launcher's
+`TrainerWatch` reads: a silent or stuck trainer is a failure), and the launcher publishes the engine roster, whose epoch grows every time an engine is
 restarted, so the trainer knows to re-form its weight groups and bring the new engine to the current weights.
 
 The actor is not a single point of failure: Ray restarts it when its process dies (`make_control_actor`), the
@@ -34,7 +34,7 @@ ENDED = ("done", "failed")
 CALL_TIMEOUT_S = 60.0
 """Deadline of one call to the run's bookkeeping actors (run control, buffer), which answer at once unless gone."""
 HEARTBEAT_S = 10.0
-"""How often `TrainerHeartbeat` reports while a long part of a step runs."""
+"""How often `TrainerHeartbeat` reports (from the trainer's start to its end)."""
 
 
 class RunControl:
@@ -165,6 +165,11 @@ class TrainerHeartbeat:
             self._thread = threading.Thread(target=self._beat, name="trainer-heartbeat", daemon=True)
             self._thread.start()
         return self
+
+    @property
+    def state(self) -> str:
+        """The state it reports (starting, running, ...)."""
+        return self._report[0]
 
     def phase(self, step: int, what: str, state: str = "running") -> None:
         """The main thread is now at `what`, `step` the last finished step; the next beat says so (a phase of

@@ -60,7 +60,6 @@ def run_loop(cfg: RunConfig, spec: dict) -> None:
     loop = TrainerLoop(cfg, spec)
     for step in range(loop.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        loop.heartbeat.phase(loop.step, f"waiting for the batch of step {step}")
         groups = loop.next_batch()  # waits only when the buffer is empty; follows engine restarts
         if groups is None:  # task.epochs used up: no batch can be formed any more
             loop.end_out_of_prompts()
@@ -84,13 +83,9 @@ class TrainerLoop:
 
         self.cfg, self.spec = cfg, spec
         self.is_rank0 = os.environ.get("RANK", "0") == "0"  # before the Learner: rank 0 reports its start-up
-        self.buffer = self.control = self.metrics = self.meter = self.zero_variance = None
-        if self.is_rank0:
-            join_ray(spec["ray_address"])
-            self.buffer = ray.get_actor(spec["buffer"])
-            self.control = ray.get_actor(spec["control"])
-        self.heartbeat = TrainerHeartbeat(self.control).start()  # (rank 0) for the trainer's whole life
-        self.heartbeat.phase(0, "building the model and loading its weights", state="starting")
+        self.metrics = self.meter = self.zero_variance = None
+        self.buffer, self.control, self.heartbeat = connect_rank0(spec) if self.is_rank0 else (None, None, None)
+        self.heartbeat = self.heartbeat or TrainerHeartbeat(None)  # the other ranks: reports nothing
         self.learner = Learner(cfg)
         resume = spec.get("resume_from")
         self.step = load_resumed(self.learner, cfg.checkpoint, Path(resume), self.is_rank0) if resume else 0
@@ -101,10 +96,12 @@ class TrainerLoop:
         sync.setup()
         # As long as the launcher may take to find a hung engine and restart it.
         restart_wait_s = cfg.rollout.hang_timeout_s + cfg.rollout.restart_timeout_s
-        self.sync = RecoveringSync(sync, self.control, restart_wait_s)
+        self.sync = RecoveringSync(sync, self.control, restart_wait_s, on_phase=self._phase)
         self.lagged = LaggedWeights(unwrap_model(self.learner.state.model), cfg.algorithm.forced_lag)
+        self.heartbeat.phase(self.step, "connecting to the teacher engines", state="starting")
         self.teachers = snapshot_teachers(cfg, spec, self.learner, self.is_rank0)
         if self.step:  # the engines start from the HF weights: bring them to the resumed ones
+            self.heartbeat.phase(self.step, "bringing the engines to the resumed weights", state="starting")
             self.sync.push(self.step)
             if self.teachers is not None:  # and the teachers to them: their snapshot went with the old run
                 self.teachers.refresh({"reform": False}, self.step)
@@ -120,6 +117,10 @@ class TrainerLoop:
             self.zero_variance = ZeroVarianceShare()
             self.reporter = BackgroundReporter()
 
+    def _phase(self, what: str) -> None:
+        """(Rank 0) the heartbeat's phase is now `what` (the state it had: starting or running)."""
+        self.heartbeat.phase(self.step, what, self.heartbeat.state)
+
     def next_batch(self) -> list | None:
         """The step's groups on every rank (sorted by prompt index, so a batch's order does not depend on timing),
         or None on every rank when the prompt stream is used up (task.epochs) and no batch can be formed any more.
@@ -130,6 +131,7 @@ class TrainerLoop:
         raises BatchWaitError with the same message.
         """
         while True:
+            self.heartbeat.phase(self.step, f"waiting for the batch of step {self.step + 1}")
             payload = [self._rank0_payload() if self.is_rank0 else None]
             dist.broadcast_object_list(payload, src=0)
             kind, data = payload[0]
@@ -140,6 +142,7 @@ class TrainerLoop:
             if kind == "error":  # never on rank 0: it raised its own error already
                 raise BatchWaitError(f"rank 0 stopped waiting for a batch: {data}")
             if kind == "teachers":  # a snapshot teacher was restarted: it waits for its weights
+                self.heartbeat.phase(self.step, "refreshing the teacher engines' weights")
                 self.teachers.refresh(data, self.step)
                 continue
             self.sync.resync(data, self.step)
@@ -201,7 +204,7 @@ class TrainerLoop:
         the run's result does not go with the save."""
         ckpt = self.cfg.checkpoint
         buffer_state = (lambda: ray.get(self.buffer.state_dict.remote(), timeout=120)) if self.is_rank0 else None
-        export = (lambda folder: self.export_hf(folder / CHECKPOINT_EXPORT_DIR, step)) if ckpt.export_hf else None
+        export = (lambda folder: self._export(folder / CHECKPOINT_EXPORT_DIR, step)) if ckpt.export_hf else None
         self.heartbeat.phase(self.step, f"saving the checkpoint of step {step}")
         try:
             save_run_checkpoint(
@@ -226,9 +229,12 @@ class TrainerLoop:
     def export_hf(self, folder: Path, step: int) -> None:
         """(Every rank) the current policy (that of `step`) as a Hugging Face checkpoint folder (weights/export.py),
         in the dtypes of `model.hf_path`, replacing an earlier export there only once the new one is whole."""
+        self.heartbeat.phase(self.step, f"exporting the policy of step {step}")
+        self._export(folder, step)
+
+    def _export(self, folder: Path, step: int) -> None:
         rank, start = self.learner.rank, time.perf_counter()
         model = unwrap_model(self.learner.state.model)
-        self.heartbeat.phase(self.step, f"exporting the policy of step {step}")
         nbytes = export_hf_folder(model, rank.family, rank.arch, rank.ctx, folder, self.cfg.model.hf_path)
         if self.cfg.lora.enabled:  # the merged model above; the adapters alone beside it, for peft
             export_lora_adapter(model, rank, self.cfg, folder.parent / PEFT_EXPORT_DIR)
@@ -244,6 +250,7 @@ class TrainerLoop:
         self.learner.check_weights(step)
         report = self._push(step)
         if self.teachers is not None:
+            self.heartbeat.phase(self.step, f"refreshing the teacher engines after step {step}")
             report["teachers"] = self.teachers.after_step(step)
         return report
 
@@ -258,11 +265,12 @@ class TrainerLoop:
             return self.sync.push(version) | {"forced_lag": self.lagged.lag}
 
     def finish_step(self, step: int, groups, stats: dict, sync_report: dict, t_data: float, step_s: float) -> None:
-        """The new version is out: tell the buffer (now: it admits the next prompts by it), then report to run
-        control and log the step's metrics in the background (rank 0; `metrics/background.py`)."""
+        """The new version is out: tell the buffer (now: it admits the next prompts by it), then log the step's
+        metrics in the background (rank 0; `metrics/background.py`)."""
         self.step = step
         if not self.is_rank0:
             return
+        self.heartbeat.phase(step, f"reporting step {step}")
         self.buffer.set_trainer_version.remote(step)
         ended = time.perf_counter()
         self.reporter.submit(lambda: self._log_step(step, groups, stats, sync_report, t_data, step_s, ended))
@@ -288,8 +296,18 @@ class TrainerLoop:
         if self.is_rank0:
             self.heartbeat.phase(self.step, f"reporting step {self.step}")
             self.reporter.close()
-            self.heartbeat.stop("done", self.end_message)
             self.metrics.close()
+            self.heartbeat.stop("done", self.end_message)
+
+
+def connect_rank0(spec: dict) -> tuple:
+    """(Rank 0) join the run's Ray cluster, find its buffer and run control, and start the heartbeat, which beats
+    for the trainer's whole life (first: building the model, which may take long); (buffer, control, heartbeat)."""
+    join_ray(spec["ray_address"])
+    control = ray.get_actor(spec["control"])
+    heartbeat = TrainerHeartbeat(control)
+    heartbeat.phase(0, "building the model and loading its weights", state="starting")
+    return ray.get_actor(spec["buffer"]), control, heartbeat.start()
 
 
 def load_resumed(learner: Learner, ckpt: CheckpointConfig, folder: Path, is_rank0: bool) -> int:

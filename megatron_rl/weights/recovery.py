@@ -28,8 +28,9 @@ supervisor routes prompts to it only then), and a step need not pay a Ray call f
 class RecoveringSync:
     """A `TrainerWeightSync` that follows the engine roster published on the run-control actor."""
 
-    def __init__(self, sync, control, timeout_s: float, poll_s: float = ROSTER_POLL_S):
+    def __init__(self, sync, control, timeout_s: float, poll_s: float = ROSTER_POLL_S, on_phase=None):
         self.sync = sync
+        self.on_phase = on_phase or (lambda what: None)  # (rank 0) says what the trainer waits for: its heartbeat
         self.control = control  # rank 0 only
         self.timeout_s = timeout_s
         self.poll_s = poll_s
@@ -56,6 +57,7 @@ class RecoveringSync:
 
     def resync(self, roster: dict, version: int) -> dict:
         """(Every rank, collectively) re-form the weight groups with the roster's engines and push `version`."""
+        self.on_phase(f"re-forming the weight groups with restarted engines and pushing version {version}")
         self.sync.engines = engine_handles(roster["engines"], self.is_coordinator)
         self.sync.setup()
         self.epoch = roster["epoch"]
@@ -85,6 +87,7 @@ class RecoveringSync:
         long a restart may take. No restart within `timeout_s` (or rank 0's own error) is a SyncError on every
         rank, with rank 0's message."""
         deadline = time.monotonic() + self.timeout_s
+        self.on_phase(f"waiting for an engine's restart ({reason})")
         while True:
             news = [self._restart_news(reason, deadline) if self.is_coordinator else None]
             dist.broadcast_object_list(news, src=0)

@@ -41,7 +41,8 @@ class _Recovering(RecoveringSync):
     """The roster (rank 0's only) shows the restarted engine `restart_after_s` after the first look; never: inf."""
 
     def __init__(self, inner, restart_after_s: float, timeout_s: float):
-        super().__init__(inner, control=None, timeout_s=timeout_s, poll_s=0.0)
+        self.phases: list[str] = []
+        super().__init__(inner, control=None, timeout_s=timeout_s, poll_s=0.0, on_phase=self.phases.append)
         self.restart_after_s, self.first_look = restart_after_s, None
 
     def roster_changed(self) -> dict | None:
@@ -65,9 +66,9 @@ def _rank(rank: int, port: int, queue, restart_after_s: float, timeout_s: float)
         inner = _InnerSync(rank)
         recovering = _Recovering(inner, restart_after_s, timeout_s)
         reports = [recovering.push(7), recovering.push(8)]
-        queue.put((rank, reports, inner.pushes))
+        queue.put((rank, reports, inner.pushes, recovering.phases))
     except BaseException as err:  # the parent reports it
-        queue.put((rank, repr(err), None))
+        queue.put((rank, repr(err), None, None))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -81,8 +82,8 @@ def _run(restart_after_s: float = 0.0, timeout_s: float = 5.0) -> dict:
         p.start()
     out = {}
     for _ in procs:
-        rank, reports, pushes = queue.get(timeout=60)
-        out[rank] = (reports, pushes)
+        rank, reports, pushes, phases = queue.get(timeout=60)
+        out[rank] = (reports, pushes, phases)
     for p in procs:
         p.join(timeout=30)
     return out
@@ -94,8 +95,9 @@ def _run(restart_after_s: float = 0.0, timeout_s: float = 5.0) -> dict:
 def test_a_push_that_fails_on_one_rank_is_retried_on_every_rank_and_a_clean_one_is_not(restart_after_s):
     out = _run(restart_after_s, timeout_s=4 * COLLECTIVE_TIMEOUT_S)
     for rank in (0, 1):
-        reports, pushes = out[rank]
+        reports, pushes, phases = out[rank]
         assert pushes == [7, 8, 8], f"rank {rank}: only the failed push goes again: {out}"
+        assert phases == ["waiting for an engine's restart (engine e1 died under rank 1)"]  # the heartbeat's
         assert reports[0] == {"version": 7, "rank": rank}
         assert reports[1]["recovered_from"] == "engine e1 died under rank 1"
         assert reports[1]["roster"] == ["e1-restarted"] and reports[1]["version"] == 8
@@ -104,6 +106,6 @@ def test_a_push_that_fails_on_one_rank_is_retried_on_every_rank_and_a_clean_one_
 def test_no_restart_in_time_fails_every_rank_with_rank0s_message():
     out = _run(restart_after_s=float("inf"), timeout_s=2 * COLLECTIVE_TIMEOUT_S)
     for rank in (0, 1):
-        error, pushes = out[rank]
+        error, pushes, _ = out[rank]
         assert pushes is None and error.startswith("SyncError("), f"rank {rank}: {out}"
         assert "no engine restart came within 6 s: engine e1 died under rank 1" in error, f"rank {rank}: {error}"

@@ -12,7 +12,9 @@ import psutil
 import pytest
 import ray
 
+from megatron_rl.rollout.buffer import make_buffer_actor
 from megatron_rl.rollout.control import TrainerHeartbeat, make_control_actor
+from megatron_rl.trainer.loop import connect_rank0
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -68,3 +70,24 @@ def test_heartbeat_reports_the_phase_and_its_age_for_the_trainers_whole_life():
     quiet = TrainerHeartbeat(None).start()  # the other ranks: nothing to report to
     quiet.phase(1, "training step 2")
     quiet.stop("done")
+
+
+def test_trainer_rank0_beats_from_before_its_model_is_built():
+    control = make_control_actor([("engine-0", 1)], name="control-rank0")
+    held = make_buffer_actor(capacity=4, max_staleness=1, stale_policy="drop", name="buffer-rank0")  # noqa: F841
+    spec = {"ray_address": "auto", "buffer": "buffer-rank0", "control": "control-rank0"}
+    buffer, found, heartbeat = connect_rank0(spec)
+    try:
+        deadline, status = time.monotonic() + 10, {}
+        while status.get("message") != "building the model and loading its weights" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            status = ray.get(control.trainer_status.remote(), timeout=60)
+        assert (status["state"], status["step"], status["message"]) == (
+            "starting",
+            0,
+            "building the model and loading its weights",
+        ), status  # reported by the heartbeat's first beat, at once
+        assert ray.get(found.roster.remote(), timeout=60)["engines"] == [["engine-0", 1]]
+        assert ray.get(buffer.stats.remote(), timeout=60)["buffered"] == 0
+    finally:
+        heartbeat.stop()

@@ -57,6 +57,22 @@ def test_a_long_phase_with_beats_is_neither_silence_nor_a_stall_until_its_bound(
     ), lost
 
 
+def test_between_fetches_the_last_status_ages_on_its_own_clock():
+    control = AsyncControl()
+    control.control.report_trainer("running", 5, "training step 6", 10.0)
+    watch = TrainerWatch(control, silence_s=100.0, stall_s=100.0, every_s=0.5)
+    time.sleep(0.55)
+    first = _look(watch)  # fetched
+    control.control.report_trainer("running", 6, "training step 7", 0.0)  # not seen until the next fetch
+    time.sleep(0.3)
+    cached = _look(watch)
+    assert (first["step"], cached["step"]) == (5, 5) and cached["message"] == "training step 6"
+    assert 0.25 < cached["age_s"] - first["age_s"] < 0.4 and 0.25 < cached["phase_s"] - first["phase_s"] < 0.4
+    assert 10.5 < cached["phase_s"] < 11.0, cached
+    time.sleep(0.25)
+    assert _look(watch)["step"] == 6  # the next fetch
+
+
 def test_a_silent_trainer_is_lost_naming_what_it_last_did_and_a_failed_status_call_only_delays_it(caplog):
     control = AsyncControl()
     watch = TrainerWatch(control, silence_s=0.6, stall_s=100.0, every_s=0.0)
@@ -131,12 +147,12 @@ def test_a_local_job_ends_with_its_processes(tmp_path):
 def test_the_stall_bound_leaves_room_for_every_bounded_wait():
     cfg = load_config("configs/quickstart.yaml")
     assert cfg.trainer.stall_timeout_s is None and cfg.stall_timeout_s == 3600.0
-    # trainer.timeout_s + 120 = 720; a failed push: 2 x 300 + 120 + 600 = 1320
-    assert cfg.phase_wait_s == 1320.0
+    # trainer.timeout_s + 120 = 720; a restart 120 + 600 = 720; the weight groups and a push 4 x 300 + 30 = 1230
+    assert cfg.phase_wait_s == 1230.0
     slow = load_config("configs/quickstart.yaml", ["rollout.restart_timeout_s=3000"])
-    assert slow.stall_timeout_s == 2 * (600 + 120 + 3000)  # twice the longest wait, when over 3600
-    assert load_config("configs/quickstart.yaml", ["trainer.stall_timeout_s=1380"]).stall_timeout_s == 1380
-    with pytest.raises(Exception, match=r"trainer.stall_timeout_s=1000 must exceed by 60 s the 1320 s"):
+    assert slow.stall_timeout_s == 2 * (120 + 3000)  # twice the longest wait, when over 3600
+    assert load_config("configs/quickstart.yaml", ["trainer.stall_timeout_s=1290"]).stall_timeout_s == 1290
+    with pytest.raises(Exception, match=r"trainer.stall_timeout_s=1000 must exceed by 60 s the 1230 s"):
         load_config("configs/quickstart.yaml", ["trainer.stall_timeout_s=1000"])
     evaluating = ["eval.interval=5", "eval.timeout_s=2000"]
     with pytest.raises(Exception, match=r"the 2000 s that the other timeouts let"):
