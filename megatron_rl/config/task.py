@@ -91,9 +91,9 @@ class TaskConfig(Section):
     length_penalty: LengthPenaltyConfig = Field(default_factory=LengthPenaltyConfig)
     """A linear length penalty, subtracted from the reward."""
     reward_timeout_s: float = Field(60.0, gt=0)
-    """Longest one reward call may take, from its start (waiting for a free reward worker does not count); past it
-    the sample's reward is NaN (a failed reward, counted and logged), and the call's process is killed or its
-    thread left to finish (`reward_isolation`)."""
+    """Longest one reward call may take, from its start (waiting for a free reward worker does not count, up to ten
+    times this long); past it the sample's reward is NaN (a failed reward, counted and logged), and the call's
+    process is killed or its thread left to finish (`reward_isolation`)."""
     reward_isolation: Literal["auto", "thread", "process"] = "auto"
     """Where plain reward functions run: "thread" (cheap, but a call past reward_timeout_s keeps running, and one
     that holds the GIL in a long C call stalls the whole driver), "process" (a call past its time is killed with

@@ -368,7 +368,7 @@ async def ask_health(actor, timeout_s: float) -> tuple[dict, str | None]:
     dead: its actor is gone, or vLLM inside it is (`alive` False: dead, or stuck in a weight update); None when it
     is not known to be dead."""
     try:
-        health = await asyncio.wait_for(actor.health.remote(), timeout_s)
+        health = await asyncio.wait_for(actor.health.remote(through_core=True), timeout_s)
     except asyncio.TimeoutError:
         return {}, None
     except Exception as err:

@@ -525,16 +525,16 @@ class VLLMEngine:
         if not await llm.reset_prefix_cache():
             await llm.reset_prefix_cache(reset_running_requests=True)
 
-    async def health(self) -> dict:
+    async def health(self, through_core: bool = False) -> dict:
         """Whether vLLM is alive (not when it left a weight update unanswered: `stuck` says so), its weight
-        version and whether its weights are consistent. It goes through vLLM's engine core(s) unless a worker RPC of
-        ours (with its own deadline) runs there: a hung core, a live process to vLLM's own check, leaves the probe
-        unanswered, which the supervisor takes for a hang after rollout.hang_timeout_s."""
+        version and whether its weights are consistent. `through_core` (liveness probes): the answer waits for a
+        round trip through vLLM's engine core(s) unless a worker RPC of ours (with its own deadline) runs there, so
+        a hung core, a live process to vLLM's own check, leaves the probe unanswered."""
         llm = self._require()
         alive = not self.stuck
         try:
             await llm.check_health()
-            if not self._core_calls:
+            if through_core and not self._core_calls:
                 await llm.is_paused()
         except Exception:  # vLLM raises EngineDeadError and friends
             alive = False

@@ -224,7 +224,8 @@ class TrainerLoop:
         except Exception as err:  # the save's error is the one to raise
             log.error("the final export to %s failed too: %s: %s", folder, type(err).__name__, err)
         else:
-            log.warning("the last checkpoint failed, but the final policy is exported to %s", folder)
+            if self.is_rank0:
+                log.warning("the last checkpoint failed, but the final policy is exported to %s", folder)
 
     def export_hf(self, folder: Path, step: int) -> None:
         """(Every rank) the current policy (that of `step`) as a Hugging Face checkpoint folder (weights/export.py),

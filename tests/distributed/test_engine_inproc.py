@@ -91,7 +91,7 @@ def _probe_with_core_stopped(actor, actor_pid: int) -> tuple[list, dict]:
     assert len(cores) == 1, [(p.pid, p.cmdline()) for p in psutil.Process(actor_pid).children(recursive=True)]
     cores[0].suspend()
     try:
-        probe = actor.health.remote()
+        probe = actor.health.remote(through_core=True)
         answered, _ = ray.wait([probe], timeout=5.0)
     finally:
         cores[0].resume()

@@ -28,7 +28,7 @@ class IdleEngine:
     def __init__(self, mode: str = "healthy"):
         self.mode = mode
 
-    async def health(self) -> dict:
+    async def health(self, through_core: bool = False) -> dict:
         if self.mode == "slow":
             await asyncio.sleep(30)
         return {"alive": self.mode != "vllm_dead", "version": 0, "consistent": True}

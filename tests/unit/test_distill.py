@@ -234,7 +234,7 @@ class HungTeacher(StandInTeacher):
     async def _score(self, sequences, top_k=0):
         await asyncio.sleep(3600)
 
-    async def _health(self) -> dict:
+    async def _health(self, through_core: bool = False) -> dict:
         await asyncio.sleep(3600)
 
 

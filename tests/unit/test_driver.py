@@ -124,7 +124,7 @@ class StandInEngine:
     def generate_groups(self):
         return types.SimpleNamespace(remote=self._generate_groups)
 
-    async def _health(self) -> dict:
+    async def _health(self, through_core: bool = False) -> dict:
         return {"alive": True, "consistent": True}
 
     @property
@@ -243,7 +243,7 @@ class RefusingEngine(StandInEngine):
             raise EngineError("engine e0: weights are inconsistent (update 2 failed); refusing to generate")
         return await super()._generate(req)
 
-    async def _health(self) -> dict:
+    async def _health(self, through_core: bool = False) -> dict:
         self.health_calls += 1
         return {"alive": True, "consistent": self.health_calls > self.repaired_after}
 
@@ -305,7 +305,7 @@ class DeadInsideEngine(StandInEngine):
     async def _generate(self, req: GenerationRequest) -> GenerationResult:
         raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
 
-    async def _health(self) -> dict:
+    async def _health(self, through_core: bool = False) -> dict:
         return {"alive": False, "consistent": True}
 
 

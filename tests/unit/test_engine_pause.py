@@ -498,14 +498,16 @@ def test_a_hung_engine_core_leaves_the_health_probe_unanswered_but_a_running_upd
 
         llm.is_paused = hung_core
         hung = await ask_health(actor, 0.3)
+        counters = await asyncio.wait_for(engine.health(), 1.0)  # the meters' and the run's summary's: no round trip
         update, request = await _request_parked_under_update(engine, llm)  # the RPC waits for `release`
         during_update = await ask_health(actor, 0.3)
         llm.release.set()
         core_free.set()
         await asyncio.wait_for(asyncio.gather(update, request), 5)
-        return healthy, hung, during_update
+        return healthy, hung, during_update, counters
 
-    healthy, hung, during_update = asyncio.run(scenario())
+    healthy, hung, during_update, counters = asyncio.run(scenario())
+    assert counters["alive"] is True
     assert healthy[0]["alive"] is True and healthy[1] is None
     assert hung == ({}, None)  # unanswered: after rollout.hang_timeout_s of these the supervisor restarts it
     assert during_update[0]["alive"] is True and during_update[1] is None

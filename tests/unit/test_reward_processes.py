@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from megatron_rl.config import TaskConfig
 from megatron_rl.models.tiny import build_tokenizer
 from megatron_rl.rollout.rewards import RewardRunner, RewardSet, describe, load_reward, math_reward
+from megatron_rl.rollout.rewards import processes as processes_module
 from megatron_rl.rollout.tasks import make_task
 from tests.support.process_rewards import (
     RefusesToPickle,
@@ -266,3 +268,57 @@ def test_a_calls_time_runs_from_its_start_not_from_its_wait_for_a_worker(isolati
     runner.shutdown()
     assert [s.reward for s in scored] == [1.0, 0.0, 1.0], [s.error for s in scored]
     assert took >= 1.2 and runner.stuck_threads == 0
+
+
+def test_a_reward_process_that_cannot_start_fails_the_queued_calls_at_once(monkeypatch):
+    """Every call queued behind a failing start used to wait out a start of its own (up to 120 s each, one after
+    the other); within START_RETRY_S of a failed start, calls fail at once with its reason."""
+
+    class CannotStart:
+        def __init__(self, *args):
+            time.sleep(0.3)
+            raise RuntimeError("no processes today")
+
+    monkeypatch.setattr(processes_module, "_Child", CannotStart)
+    runner = RewardRunner(timeout_s=5, workers=1, isolation="process")
+    start = time.monotonic()
+    scored = _score(runner, exact, ["1"] * 6)
+    took = time.monotonic() - start
+    runner.shutdown()
+    why = "reward 'exact' no reward process: RuntimeError: no processes today (prompt t.jsonl:0)"
+    assert all(s.error == why for s in scored), scored
+    assert took < 1.5, took  # one start tried (0.3 s), not six
+
+
+def test_calls_no_worker_ever_starts_fail_after_their_wait_bound():
+    runner = RewardRunner(timeout_s=0.05, workers=0, isolation="thread")  # no worker: nothing starts
+    start = time.monotonic()
+    scored = _score(runner, exact, ["1", "1"])
+    took = time.monotonic() - start
+    why = "reward 'exact' not started within 10 x task.reward_timeout_s=0.05 s: every reward worker stayed busy"
+    assert all(s.error.startswith(why) for s in scored), scored
+    assert 0.45 < took < 2.0, took
+
+
+def test_a_cancelled_call_that_never_returns_holds_no_worker():
+    """A stopping evaluation cancels its reward calls; a running one that never returns kept its (only) thread,
+    and every later call waited for a worker."""
+    runner = RewardRunner(timeout_s=0.5, workers=1, isolation="thread")
+    release = threading.Event()
+    never = describe(lambda response, answer, sample: release.wait(), "never")
+
+    async def cancel_then_call():
+        stuck = asyncio.ensure_future(runner.call(never, ("x", "1", None), {}))
+        await asyncio.sleep(0.1)  # running on the one thread
+        stuck.cancel()
+        await asyncio.gather(stuck, return_exceptions=True)
+        start = time.monotonic()
+        value = await runner.call(describe(exact, "exact"), ("1", "1", None), {})
+        return value, time.monotonic() - start
+
+    try:
+        value, took = asyncio.run(cancel_then_call())
+    finally:
+        release.set()
+        runner.shutdown()
+    assert value == 1.0 and took < 0.4, took

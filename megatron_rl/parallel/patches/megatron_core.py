@@ -410,6 +410,8 @@ def _patch_gloo_group_timeout() -> None:
     from megatron.core import parallel_state  # at apply time (see the module docstring)
 
     initialize, create = parallel_state.initialize_model_parallel, parallel_state.create_group
+    if "distributed_timeout_minutes" not in inspect.signature(initialize).parameters:
+        raise RuntimeError("gloo_group_timeout: this megatron-core's initialize_model_parallel has no timeout argument")
     within: list[datetime.timedelta] = []  # the timeout of the initialize_model_parallel call running
 
     @functools.wraps(initialize)

@@ -42,6 +42,11 @@ async def _guarded_await(awaitable) -> tuple[bool, Any]:
         return False, failure_text(err)
 
 
+START_WAIT_FACTOR = 10.0
+"""A plain reward call that no worker has started after this many times its `timeout_s` fails (the workers are
+stuck behind calls that never end, or cannot start a process)."""
+
+
 class RewardRunner:
     """Runs reward calls within `timeout_s` each: plain functions on `workers` daemon threads or, as `isolation`
     says, in `workers` processes (`rollout/rewards/processes.py`), `async` ones on the loop. A call past its time is
@@ -90,7 +95,7 @@ class RewardRunner:
                 if isolated and spec.convention == "ours" and spec.target() in SAMPLE_BLIND:
                     args = (*args[:2], None)  # (response, answer, sample)
                 future, queued = workers.submit(spec if isolated else spec.target(), args, kwargs)
-                ok, value = await self._result(future, queued)
+                ok, value = await self._result(future, queued, workers)
                 if ok and inspect.isawaitable(value):  # a plain function that returned a coroutine
                     queued = None
                     ok, value = await asyncio.wait_for(_guarded_await(value), self.timeout_s)
@@ -102,23 +107,33 @@ class RewardRunner:
             if queued is not None:
                 workers.abandon(queued)
             raise RewardFailure(f"timed out after {self.field}={self.timeout_s:g} s") from None
+        except RewardFailure:
+            raise
         except (Exception, SystemExit) as err:  # calling an async function may itself raise
             raise RewardFailure(failure_text(err)) from None
         if not ok:
             raise RewardFailure(value)
         return value
 
-    async def _result(self, future: asyncio.Future, call) -> tuple[bool, Any]:
+    async def _result(self, future: asyncio.Future, call, workers) -> tuple[bool, Any]:
         """The plain call's (ok, value), or TimeoutError `timeout_s` after it began to run: its wait in the queue
-        for a free worker (or for its process to start) does not count. Each running call is bounded, so the queue
-        moves."""
+        for a free worker (or for its process to start) does not count, up to START_WAIT_FACTOR times `timeout_s`
+        (each running call is bounded, so the queue moves; past that the call is dropped, a RewardFailure)."""
+        queued_until = time.monotonic() + START_WAIT_FACTOR * self.timeout_s
+        poll = min(self.timeout_s, max(0.5, self.timeout_s / 10))  # how late a call's start may be noticed
         wait = self.timeout_s
         while True:
             done, _ = await asyncio.wait((future,), timeout=wait)
             if done:
                 return future.result()
-            started = call.started_at
-            wait = self.timeout_s if started is None else started + self.timeout_s - time.monotonic()
+            started, now = call.started_at, time.monotonic()
+            if started is None and now >= queued_until:
+                workers.forget(call)
+                raise RewardFailure(
+                    f"not started within {START_WAIT_FACTOR:g} x {self.field}={self.timeout_s:g} s: every reward"
+                    " worker stayed busy, or none could start"
+                )
+            wait = poll if started is None else started + self.timeout_s - now
             if wait <= 0:
                 raise asyncio.TimeoutError
 

@@ -27,6 +27,9 @@ from megatron_rl.rollout.rewards.workers import _Call, _Workers, guarded_call
 
 PROCESS_START_TIMEOUT_S = 120.0
 """Longest a reward process may take to start and import the package before its thread gives up on it."""
+START_RETRY_S = 10.0
+"""After a reward process failed to start, calls fail at once with its reason for this long before another start
+is tried: the calls queued behind it do not each wait out a start of their own."""
 KILL_WAIT_S = 5.0
 """How long to wait for a killed reward process to be reaped."""
 EXIT_WAIT_S = 0.5
@@ -142,6 +145,7 @@ class ProcessWorkers(_Workers):
         self._context = multiprocessing.get_context("spawn")  # not fork: the driver's process has Ray's threads
         self._running: dict[int, _Child] = {}
         self._preload: list = []
+        self._start_failed: tuple[float, str] | None = None  # (when, why) of the last failed start
 
     def start(self, specs: list) -> None:
         """Start the processes now, each loading the reward functions `specs` (their first calls then spend no time
@@ -150,7 +154,7 @@ class ProcessWorkers(_Workers):
         self.ensure_started()
 
     def abandon(self, call: _Call) -> None:
-        """Give up on `call` (past its time): skipped if still queued, its process killed if running."""
+        """Give up on `call` (past its time): its process killed."""
         with self._lock:
             running = call.state == "running"
             if call.state != "done":
@@ -160,7 +164,8 @@ class ProcessWorkers(_Workers):
                 self._kill_running(call)
 
     def forget(self, call: _Call) -> None:
-        """Drop `call` (its caller was cancelled): skipped if queued, its process killed if running."""
+        """Drop `call` (its caller was cancelled, or it never started): skipped if queued, its process killed if
+        running."""
         with self._lock:
             if call.state == "running":
                 self._kill_running(call)
@@ -175,10 +180,17 @@ class ProcessWorkers(_Workers):
             child.kill_group()  # its thread sees it end, reaps it and starts another
 
     def _new_child(self) -> tuple[_Child | None, str]:
+        """A started process, or (None, why); within START_RETRY_S of a failed start, (None, its why) at once."""
+        failed = self._start_failed
+        if failed is not None and time.monotonic() - failed[0] < START_RETRY_S:
+            return None, failed[1]
         try:
-            return _Child(self._context, self._preload), ""
-        except Exception as err:  # noqa: BLE001 (said in the calls' results; the next call tries again)
-            return None, f"no reward process: {type(err).__name__}: {err}"
+            child = _Child(self._context, self._preload)
+        except Exception as err:  # noqa: BLE001 (said in the calls' results; a later call tries again)
+            self._start_failed = (time.monotonic(), f"no reward process: {type(err).__name__}: {err}")
+            return None, self._start_failed[1]
+        self._start_failed = None
+        return child, ""
 
     def _work(self) -> None:
         child, _ = self._new_child()

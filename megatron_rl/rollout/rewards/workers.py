@@ -38,8 +38,8 @@ class _Call:
 
     def __init__(self, loop, future, fn, args, kwargs):
         self.loop, self.future, self.fn, self.args, self.kwargs = loop, future, fn, args, kwargs
-        self.started_at: float | None = None  # time.monotonic() when a worker began running it: its time counts
-        self.state = "queued"  # -> "running" -> "done", or "abandoned" (past its time) at any point before "done"
+        self.started_at: float | None = None  # time.monotonic() when it began to run (set under the workers' lock)
+        self.state = "queued"  # -> "running" -> "done", or "abandoned" (given up on) at any point before "done"
 
 
 def _settle(future: asyncio.Future, result) -> None:
@@ -82,19 +82,16 @@ class _Workers:
                 for _ in range(self.count):
                     self._start_thread()
 
-    def forget(self, call: _Call) -> None:
-        """Drop `call` if it has not started (its caller was cancelled); a running one finishes."""
-        with self._lock:
-            if call.state == "queued":
-                call.state = "abandoned"
-
-    def _take(self) -> _Call | None:
-        """The next call to run (marked running), or None once shut down."""
+    def _take(self, start_clock: bool = False) -> _Call | None:
+        """The next call to run (marked running; with `start_clock`, its time starts now), or None once shut
+        down."""
         while (call := self._calls.get()) is not None:
             with self._lock:
                 if call.state == "abandoned":  # its caller was cancelled
                     continue
                 call.state = "running"
+                if start_clock:
+                    call.started_at = time.monotonic()
             return call
         return None
 
@@ -135,13 +132,19 @@ class DaemonWorkers(_Workers):
     takes its place."""
 
     def abandon(self, call: _Call) -> None:
-        """Give up on `call` (past its time): skipped if still queued, its thread replaced if running."""
+        """Give up on `call` (past its time): its thread written off and replaced if it runs."""
         if self._abandon(call):
             self.stuck_threads += 1
             self._start_thread()
 
+    def forget(self, call: _Call) -> None:
+        """(On the call's loop) drop `call` (its caller was cancelled, or it never started): skipped if queued; if
+        it runs, its thread is written off and replaced, so that a reward that never returns holds no worker. The
+        new thread starts after the loop's ready callbacks: the calls cancelled with this one are dropped first."""
+        if self._abandon(call):
+            call.loop.call_soon(self._start_thread)
+
     def _work(self) -> None:
-        while (call := self._take()) is not None:
-            call.started_at = time.monotonic()
+        while (call := self._take(start_clock=True)) is not None:
             if not self._deliver(call, guarded_call(call.fn, call.args, call.kwargs)):
                 return  # written off: a new thread has this one's place
