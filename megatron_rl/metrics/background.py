@@ -1,4 +1,5 @@
-"""Step reporting off the training path: rank 0's per-step bookkeeping (buffer and engine counters, metrics files) on one background thread, in step order.
+"""Step reporting off the training path: rank 0's per-step bookkeeping (buffer and engine counters, metrics files)
+on one background thread, in step order.
 
 That bookkeeping is mostly waiting on Ray actors and writing files (about 15 ms a step on a 2-core machine, the
 TensorBoard writer the largest part); the trainer's next step need not wait for it. At most one step's report is

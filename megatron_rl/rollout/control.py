@@ -2,8 +2,9 @@
 
 The launcher and the trainer are separate process trees (torchrun may even run on other nodes), so they meet
 here: the trainer's rank 0 reports its progress (a heartbeat with the phase it is in, which the launcher's
-`TrainerWatch` reads: a silent or stuck trainer is a failure), and the launcher publishes the engine roster, whose epoch grows every time an engine is
-restarted, so the trainer knows to re-form its weight groups and bring the new engine to the current weights.
+`TrainerWatch` reads: a silent or stuck trainer is a failure), and the launcher publishes the engine roster, whose
+epoch grows every time an engine is restarted, so the trainer knows to re-form its weight groups and bring the new
+engine to the current weights.
 
 The actor is not a single point of failure: Ray restarts it when its process dies (`make_control_actor`), the
 calls made meanwhile are retried, and it comes back with the state it had, which it keeps in the Ray cluster's
