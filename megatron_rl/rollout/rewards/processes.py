@@ -155,19 +155,18 @@ class ProcessWorkers(_Workers):
 
     def abandon(self, call: _Call) -> None:
         """Give up on `call` (past its time): its process killed."""
-        with self._lock:
-            running = call.state == "running"
-            if call.state != "done":
-                call.state = "abandoned"
-            if running:
-                self.stuck_threads += 1
-                self._kill_running(call)
+        self._give_up(call, past_its_time=True)
 
     def forget(self, call: _Call) -> None:
         """Drop `call` (its caller was cancelled, or it never started): skipped if queued, its process killed if
         running."""
+        self._give_up(call, past_its_time=False)
+
+    def _give_up(self, call: _Call, past_its_time: bool) -> None:
+        # Under one lock acquisition: the kill must land on the process while it still runs this very call.
         with self._lock:
             if call.state == "running":
+                self.stuck_threads += past_its_time
                 self._kill_running(call)
             if call.state != "done":
                 call.state = "abandoned"
