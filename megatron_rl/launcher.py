@@ -29,7 +29,14 @@ from megatron_rl.models.base import CheckpointError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import layout_from_config
-from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun, stop_process_group
+from megatron_rl.parallel.torchrun import (
+    STACK_DUMP_WAIT_S,
+    LaunchError,
+    log_failure,
+    signal_for_stacks,
+    start_torchrun,
+    stop_process_group,
+)
 from megatron_rl.planner.planning import checked_model
 from megatron_rl.rollout.buffer import make_buffer_actor
 from megatron_rl.rollout.control import CONTROL_NAME, TrainerWatch, make_control_actor
@@ -137,10 +144,14 @@ class LocalTrainerJob:
         self.lost: str | None = None
 
     async def finished(self) -> bool:
-        """Whether the torchrun job has exited or is lost."""
+        """Whether the torchrun job has exited or is lost; a lost job's ranks are first asked for their stacks
+        (`signal_for_stacks`), which they write to the trainer's log."""
         if self.proc.poll() is not None:
             return True
         self.lost = self.watch.lost(await self.watch.look())
+        if self.lost is not None and await asyncio.to_thread(signal_for_stacks, self.proc):
+            self.lost += " (every rank's Python stacks at this moment are at the end of its log)"
+            await asyncio.sleep(STACK_DUMP_WAIT_S)
         return self.lost is not None
 
     def check(self) -> None:

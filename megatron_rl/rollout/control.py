@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import faulthandler
 import json
 import logging
 import threading
@@ -150,13 +151,18 @@ class TrainerHeartbeat:
     train step, a save, an export, a weight push) with how long it has been in it. The launcher's `TrainerWatch`
     reads them: silence means the process (or the Python in it) is gone, one phase longer than
     `trainer.stall_timeout_s` a stuck main thread. A long phase (a big checkpoint's load, a long step) is no
-    silence. With no control actor (the other ranks) it does nothing."""
+    silence. With no control actor (the other ranks) it does nothing.
 
-    def __init__(self, control, interval_s: float = HEARTBEAT_S):
-        self.control, self.interval_s = control, interval_s
+    With `stall_s` (`trainer.stall_timeout_s`), the beat that may be the last one before the watch's verdict on a
+    phase writes every thread's stack to stderr (the trainer's log) once, so the log says where the main thread is
+    stuck, also where no one can signal the process (a trainer under Slurm)."""
+
+    def __init__(self, control, interval_s: float = HEARTBEAT_S, stall_s: float | None = None):
+        self.control, self.interval_s, self.stall_s = control, interval_s, stall_s
         self._lock = threading.Lock()
         self._report = ("starting", 0, "starting up")
         self._since = time.monotonic()
+        self._dumped_since: float | None = None  # the phase whose stacks went out
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -197,13 +203,24 @@ class TrainerHeartbeat:
         while True:
             with self._lock:
                 state, step, what = self._report
-                phase_s = time.monotonic() - self._since
+                since = self._since
+                phase_s = time.monotonic() - since
+            if self.stall_s is not None and phase_s + self.interval_s > self.stall_s and self._dumped_since != since:
+                self._dumped_since = since
+                self._dump_stacks(what, phase_s)
             try:
                 ray.get(self.control.report_trainer.remote(state, step, what, phase_s), timeout=CALL_TIMEOUT_S)
             except Exception as err:  # a missed beat is the watch's to judge; the trainer's own work goes on
                 log.warning("heartbeat to run control failed: %s: %s", type(err).__name__, err)
             if self._stop.wait(self.interval_s):
                 return
+
+    def _dump_stacks(self, what: str, phase_s: float) -> None:
+        log.error(
+            "rank 0 has been at %r for %.0f s, near trainer.stall_timeout_s (%g s): every thread's stack follows",
+            what, phase_s, self.stall_s,
+        )  # fmt: skip
+        faulthandler.dump_traceback(all_threads=True)
 
 
 class TrainerWatch:

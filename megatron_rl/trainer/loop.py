@@ -28,6 +28,7 @@ from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_met
 from megatron_rl.models.base import CheckpointError
 from megatron_rl.parallel.groups import destroy_distributed
 from megatron_rl.parallel.scheduling import place_process
+from megatron_rl.parallel.torchrun import enable_stack_dumps
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group
@@ -84,7 +85,8 @@ class TrainerLoop:
         self.cfg, self.spec = cfg, spec
         self.is_rank0 = os.environ.get("RANK", "0") == "0"  # before the Learner: rank 0 reports its start-up
         self.metrics = self.meter = self.zero_variance = None
-        self.buffer, self.control, self.heartbeat = connect_rank0(spec) if self.is_rank0 else (None, None, None)
+        rank0 = connect_rank0(spec, cfg.stall_timeout_s) if self.is_rank0 else (None, None, None)
+        self.buffer, self.control, self.heartbeat = rank0
         self.heartbeat = self.heartbeat or TrainerHeartbeat(None)  # the other ranks: reports nothing
         self.learner = Learner(cfg)
         resume = spec.get("resume_from")
@@ -301,12 +303,13 @@ class TrainerLoop:
             self.heartbeat.stop("done", self.end_message)
 
 
-def connect_rank0(spec: dict) -> tuple:
+def connect_rank0(spec: dict, stall_s: float | None = None) -> tuple:
     """(Rank 0) join the run's Ray cluster, find its buffer and run control, and start the heartbeat, which beats
-    for the trainer's whole life (first: building the model, which may take long); (buffer, control, heartbeat)."""
+    for the trainer's whole life (first: building the model, which may take long) and writes the process's stacks
+    to stderr as a phase nears `stall_s`; (buffer, control, heartbeat)."""
     join_ray(spec["ray_address"])
     control = ray.get_actor(spec["control"])
-    heartbeat = TrainerHeartbeat(control)
+    heartbeat = TrainerHeartbeat(control, stall_s=stall_s)
     heartbeat.phase(0, "building the model and loading its weights", state="starting")
     return ray.get_actor(spec["buffer"]), control, heartbeat.start()
 
@@ -434,6 +437,7 @@ def to_train_batch(groups: list[Group], cfg: RunConfig, learner: Learner) -> Tra
 def main(spec_path: str) -> None:
     """Entry point of each torchrun process (launched by `megatron-rl train`, or by hand/SLURM with
     `--external-trainer`, in which case the spec file may not exist yet)."""
+    enable_stack_dumps()  # `kill -USR1` writes where every thread is; the launcher does it before killing a lost job
     spec = json.loads(wait_for_file(Path(spec_path), float(os.environ.get("MRL_SPEC_WAIT_S", "900"))).read_text())
     cfg = RunConfig.model_validate(spec["config"])
     place_process(

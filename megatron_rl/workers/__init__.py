@@ -19,6 +19,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rl.parallel.groups import destroy_distributed, join_process_group
 from megatron_rl.parallel.patches import apply_patches
+from megatron_rl.parallel.torchrun import enable_stack_dumps
 
 
 def start_up(timeout_s: float = 600.0) -> float:
@@ -31,8 +32,10 @@ def start_up(timeout_s: float = 600.0) -> float:
 
 
 def run_worker(body: Callable[[dict, float], None], argv: list[str] | None = None) -> None:
-    """Read the spec (`argv[0]`, default the command line), start up, run `body(spec, startup_seconds)`, tear down."""
+    """Read the spec (`argv[0]`, default the command line), start up, run `body(spec, startup_seconds)`, tear down.
+    The process writes its stacks on STACK_SIGNAL (`enable_stack_dumps`)."""
     spec = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    enable_stack_dumps()  # a hung worker's stacks reach the log before `run_torchrun` kills it at its deadline
     try:
         body(spec, start_up())
     finally:

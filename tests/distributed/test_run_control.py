@@ -1,9 +1,10 @@
 """The run-control actor on a real local Ray: it survives its process being killed (Ray restarts it with its
 state), and the trainer's heartbeat reports its phase for its whole life, so a long phase (a checkpoint's load, a
-save, a weight-sync recovery) is not silence."""
+save, a weight-sync recovery) is not silence; near the stall bound it writes where the main thread is."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -89,5 +90,32 @@ def test_trainer_rank0_beats_from_before_its_model_is_built():
         ), status  # reported by the heartbeat's first beat, at once
         assert ray.get(found.roster.remote(), timeout=60)["engines"] == [["engine-0", 1]]
         assert ray.get(buffer.stats.remote(), timeout=60)["buffered"] == 0
+    finally:
+        heartbeat.stop()
+
+
+def _sitting_in_a_long_phase(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_heartbeat_writes_every_threads_stack_once_per_phase_as_it_nears_the_stall_bound(capfd, caplog):
+    control = make_control_actor([("engine-0", 1)], name="control-stacks")
+    heartbeat = TrainerHeartbeat(control, interval_s=0.2, stall_s=1.0).start()
+    try:
+        heartbeat.phase(4, "training step 5")
+        _sitting_in_a_long_phase(0.5)  # far from the bound: nothing written
+        assert "most recent call first" not in capfd.readouterr().err
+        with caplog.at_level(logging.ERROR, logger="megatron_rl.rollout.control"):
+            _sitting_in_a_long_phase(1.5)  # past stall_s - interval_s, several beats: one dump
+        err = capfd.readouterr().err
+        assert err.count("Current thread") + err.count("Thread 0x") >= 2, err  # the main and the beating thread
+        assert "_sitting_in_a_long_phase" in err and "test_heartbeat_writes_every_threads_stack" in err, err
+        assert err.count("_sitting_in_a_long_phase") == 1, err  # once for the phase, not at every beat
+        assert any(
+            "at 'training step 5'" in r.getMessage() and "stall_timeout_s" in r.getMessage() for r in caplog.records
+        )
+        heartbeat.phase(5, "saving the checkpoint of step 5")  # a new phase: its own dump when it nears the bound
+        _sitting_in_a_long_phase(1.2)
+        assert "_sitting_in_a_long_phase" in capfd.readouterr().err
     finally:
         heartbeat.stop()

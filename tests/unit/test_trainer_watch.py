@@ -10,29 +10,14 @@ import asyncio
 import logging
 import subprocess
 import time
-import types
 
 import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.launcher import ExternalTrainerJob, LocalTrainerJob
 from megatron_rl.parallel.torchrun import LaunchError
-from megatron_rl.rollout.control import RunControl, TrainerWatch
-
-
-class AsyncControl:
-    """A `RunControl` behind Ray's call syntax as the launcher awaits it; `failing` makes the status call raise."""
-
-    def __init__(self):
-        self.control, self.failing = RunControl([("engine-0", 1)]), False
-
-    def __getattr__(self, name: str):
-        async def call(*args):
-            if self.failing:
-                raise ConnectionError("run control unreachable")
-            return getattr(self.control, name)(*args)
-
-        return types.SimpleNamespace(remote=call)
+from megatron_rl.rollout.control import TrainerWatch
+from tests.support.async_control import AsyncControl
 
 
 def _look(watch: TrainerWatch) -> dict:
