@@ -29,14 +29,8 @@ from megatron_rl.models.base import CheckpointError
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.tiny import make_tiny
 from megatron_rl.parallel.layout import layout_from_config
-from megatron_rl.parallel.torchrun import (
-    STACK_DUMP_WAIT_S,
-    LaunchError,
-    log_failure,
-    signal_for_stacks,
-    start_torchrun,
-    stop_process_group,
-)
+from megatron_rl.parallel.processes import STACK_DUMP_WAIT_S, signal_for_stacks, stop_process_group
+from megatron_rl.parallel.torchrun import LaunchError, log_failure, start_torchrun
 from megatron_rl.planner.planning import checked_model
 from megatron_rl.rollout.buffer import make_buffer_actor
 from megatron_rl.rollout.control import CONTROL_NAME, TrainerWatch, make_control_actor

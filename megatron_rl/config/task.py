@@ -94,6 +94,10 @@ class TaskConfig(Section):
     """Longest one reward call may take, from its start (waiting for a free reward worker does not count, up to ten
     times this long); past it the sample's reward is NaN (a failed reward, counted and logged), and the call's
     process is killed or its thread left to finish (`reward_isolation`)."""
+    reward_workers: int = Field(2, ge=1)
+    """How many reward calls run at once: the driver's reward threads or processes (`reward_isolation`). Two
+    suit a small machine whose cores the engines and trainer use; raise it where rewards are slow (math-verify on
+    long answers, a judge behind a blocking client) and cores or remote capacity are free."""
     reward_isolation: Literal["auto", "thread", "process"] = "auto"
     """Where plain reward functions run: "thread" (cheap, but a call past reward_timeout_s keeps running, and one
     that holds the GIL in a long C call stalls the whole driver), "process" (a call past its time is killed with

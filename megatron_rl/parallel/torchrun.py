@@ -8,29 +8,21 @@ Plain torchrun listens on every interface for both. Every launch here and in `la
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
-import psutil
-
 from megatron_rl.errors import UserError
+from megatron_rl.parallel.processes import STACK_DUMP_WAIT_S, descendants, kill_job, signal_for_stacks
 
 AGENT_MODULE = "megatron_rl.parallel.torchrun"
 """`python -m` this: torchrun with bound stores."""
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Where torch's gloo groups (and Megatron's) bind; unset, gloo binds the address the host name resolves to."""
-STACK_SIGNAL = signal.SIGUSR1
-"""On it, a process that called `enable_stack_dumps` writes every thread's Python stack to its stderr."""
-STACK_DUMP_WAIT_S = 2.0
-"""How long a job's ranks get to write their stacks before they are killed."""
 
 
 class LaunchError(UserError, RuntimeError):
@@ -89,79 +81,6 @@ def start_torchrun(module: str, args: list[str], nproc: int, log_path: str | Pat
     )  # fmt: skip
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Terminate a background job's whole process group (torchrun's agent passes it on to its ranks), killing it
-    after `grace_s`, then kill whatever was under it and is still there after another `grace_s`."""
-    if proc.poll() is not None:
-        return
-    below = _descendants(proc)
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        _kill_job(proc, below)
-        proc.wait()
-    _, alive = psutil.wait_procs(below, timeout=grace_s)
-    _kill_all(alive)
-
-
-def _descendants(proc: subprocess.Popen) -> list[psutil.Process]:
-    """Every process under a job's agent: torchrun starts each rank in a session of its own, so the agent's process
-    group does not hold them (and once the agent is gone they cannot be found from it)."""
-    try:
-        return psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _kill_job(proc: subprocess.Popen, below: list[psutil.Process]) -> None:
-    """SIGKILL the agent's process group and the processes `below` it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    _kill_all(below)
-
-
-def _kill_all(processes: list[psutil.Process]) -> None:
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-
-
-def enable_stack_dumps() -> None:
-    """Write every thread's Python stack to stderr on STACK_SIGNAL (`kill -USR1 <pid>`; the launcher sends it to
-    a lost trainer's ranks before killing them). faulthandler writes from the signal handler itself, so a process
-    stuck in C code, or holding the GIL, still answers."""
-    faulthandler.register(STACK_SIGNAL, all_threads=True, chain=False)
-
-
-def signal_for_stacks(proc: subprocess.Popen, between_s: float = 0.3) -> list[int]:
-    """Send STACK_SIGNAL to the ranks of a running torchrun job (the agent `proc`'s child processes, which call
-    `enable_stack_dumps`), in the order of their RANK, `between_s` apart so that their dumps into the one log do
-    not interleave; the pids signalled (none once the job has ended). The agent itself is left alone: the signal's
-    default action would end it."""
-    if proc.poll() is not None:
-        return []
-    try:
-        children = sorted(psutil.Process(proc.pid).children(), key=_rank_of)
-    except psutil.Error:
-        return []
-    sent = []
-    for child in children:
-        if sent:
-            time.sleep(between_s)
-        with contextlib.suppress(psutil.Error):
-            child.send_signal(STACK_SIGNAL)
-            sent.append(child.pid)
-    return sent
-
-
-def _rank_of(process: psutil.Process) -> int:
-    try:
-        return int(process.environ().get("RANK", 1 << 30))
-    except (psutil.Error, ValueError):
-        return 1 << 30
-
-
 def log_failure(log_path: str | Path, module: str, returncode: int) -> LaunchError:
     """A LaunchError with the root cause and tail of a background job's log."""
     text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
@@ -183,7 +102,7 @@ def run_torchrun(module: str, args: list[str], nproc: int, timeout_s: float, log
     except subprocess.TimeoutExpired:
         if signal_for_stacks(proc):  # where each rank hung, at the end of the output
             time.sleep(STACK_DUMP_WAIT_S)
-        _kill_job(proc, _descendants(proc))  # the ranks too: the output's pipe ends only when they are gone
+        kill_job(proc, descendants(proc))  # the ranks too: the output's pipe ends only when they are gone
         output, _ = proc.communicate()
         _save_log(log_path, output)
         raise LaunchError(

@@ -97,7 +97,9 @@ class GenerationDriver:
         self.trainer_version = 0
         """The trainer's version as the buffer last told it (the launcher's evaluations follow it)."""
         self._stop = asyncio.Event()
-        self._rewards = RewardRunner(cfg.task.reward_timeout_s, workers=2, isolation=cfg.task.reward_isolation)
+        self._rewards = RewardRunner(
+            cfg.task.reward_timeout_s, workers=cfg.task.reward_workers, isolation=cfg.task.reward_isolation
+        )
         if task is not None:
             task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties' default max_tokens
             self._rewards.start(task.reward_set().functions)  # reward processes, where any, start with the engines

@@ -27,8 +27,8 @@ from megatron_rl.metrics.logger import EVAL_RECORD, MetricsLogger
 from megatron_rl.metrics.step import EngineMeter, ZeroVarianceShare, collect_metrics
 from megatron_rl.models.base import CheckpointError
 from megatron_rl.parallel.groups import destroy_distributed
+from megatron_rl.parallel.processes import enable_stack_dumps
 from megatron_rl.parallel.scheduling import place_process
-from megatron_rl.parallel.torchrun import enable_stack_dumps
 from megatron_rl.rollout.control import TrainerHeartbeat
 from megatron_rl.rollout.ray_utils import join_ray
 from megatron_rl.rollout.types import Group

@@ -19,7 +19,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rl.parallel.groups import destroy_distributed, join_process_group
 from megatron_rl.parallel.patches import apply_patches
-from megatron_rl.parallel.torchrun import enable_stack_dumps
+from megatron_rl.parallel.processes import enable_stack_dumps
 
 
 def start_up(timeout_s: float = 600.0) -> float:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rl.parallel.torchrun import enable_stack_dumps
+from megatron_rl.parallel.processes import enable_stack_dumps
 
 
 def rank0_waits_in_a_barrier() -> None:

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from megatron_rl.config import TaskConfig, load_config
+from megatron_rl.config.loader import ConfigError
 from megatron_rl.rollout import driver as driver_module
 from megatron_rl.rollout.buffer import RolloutBuffer
 from megatron_rl.rollout.burst import generate_groups
@@ -38,6 +39,15 @@ def _group(index: int, failed: bool) -> Group:
 def _driver(limit: int) -> GenerationDriver:
     cfg = load_config("configs/quickstart.yaml", [f"task.max_bad_reward_groups_in_a_row={limit}"])
     return GenerationDriver(buffer=None, engines={"engine-0": None}, task=None, tokenizer=None, cfg=cfg, lag=1)
+
+
+def test_the_reward_workers_are_as_many_as_the_config_says():
+    assert _driver(limit=3)._rewards._threads.count == 2  # the default
+    cfg = load_config("configs/quickstart.yaml", ["task.reward_workers=5"])
+    runner = GenerationDriver(buffer=None, engines={}, task=None, tokenizer=None, cfg=cfg, lag=1)._rewards
+    assert runner._threads.count == runner._processes.count == 5
+    with pytest.raises(ConfigError, match="reward_workers"):
+        load_config("configs/quickstart.yaml", ["task.reward_workers=0"])
 
 
 def test_isolated_reward_failures_are_counted_and_the_run_goes_on():

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_rl"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
-MAX_FUNCTION_IMPORTS = 65  # each CLI command imports its heavy module when it runs; each patch what it patches
+MAX_FUNCTION_IMPORTS = 66  # each CLI command imports its heavy module when it runs; each patch what it patches
 
 
 def module_name(path: Path) -> str:

@@ -7,11 +7,13 @@ DistributedOptimizer) are exercised by the train-step and resume tests in tests/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 CHECK = r"""
@@ -167,6 +169,7 @@ def test_all_patches_applied_once(patched):
         "expert_bias_padding_mask",
         "aux_loss_empty_micro_batch",
         "gloo_group_timeout",
+        "write_results_queue_lifetime",
     }
     assert patched["idempotent"]
 
@@ -535,3 +538,36 @@ def test_the_pause_lines_of_each_weight_update_are_dropped_and_nothing_else():
     assert out["before"] == ["setting pause state to PAUSED_NEW"]  # vLLM still writes it (checked, not assumed)
     assert out["after"] == ["another line", "setting pause state to a warning passes"]
     assert out["filters"] == 1 and out["state"] == "UNPAUSED"
+
+
+WRITER_MANAGER_PROBE = r"""
+import time
+from megatron_rl.parallel.patches import apply_patches
+apply_patches()
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+queue = filesystem_async._get_write_results_queue()
+queue.put({0: "written"})
+assert queue.get(timeout=30) == {0: "written"} and filesystem_async._get_write_results_queue() is queue
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_checkpoint_writers_manager_ends_with_the_rank_that_started_it():
+    """Megatron's writer spawns a Manager server at a rank's first save; a rank killed outright must not leave it
+    running (before the patch it lived on, re-parented to init)."""
+    rank = subprocess.Popen([sys.executable, "-c", WRITER_MANAGER_PROBE], stdout=subprocess.PIPE, text=True)
+    servers: list[psutil.Process] = []
+    try:
+        assert rank.stdout.readline().strip() == "ready", rank.communicate(timeout=60)
+        children = psutil.Process(rank.pid).children()
+        servers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(servers) == 1, [c.cmdline() for c in children]  # the Manager's server, the queue working
+        rank.kill()
+        rank.wait(30)
+        _, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, "the Manager's server outlived its rank"
+    finally:
+        for process in [*servers, rank]:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                process.kill()

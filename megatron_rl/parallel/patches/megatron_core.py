@@ -12,11 +12,15 @@ import datetime
 import functools
 import importlib
 import inspect
+import multiprocessing.managers
+import os
+import threading
 import types
 
 import torch
 
 from megatron_rl.parallel.patches.torch_distributed import apply_torch_patches
+from megatron_rl.parallel.processes import die_with_parent
 
 _APPLIED: list[str] = []
 
@@ -432,7 +436,35 @@ def _patch_gloo_group_timeout() -> None:
     parallel_state.create_group = create_group
 
 
-_ALL_DEVICES = (_patch_expert_bias_padding_mask, _patch_aux_loss_empty_micro_batch, _patch_gloo_group_timeout)
+def _patch_write_results_queue_lifetime() -> None:
+    """Failure (any device): Megatron's checkpoint writer takes its results queue from a `multiprocessing` Manager
+    whose server process it spawns at a rank's first save (`filesystem_async._get_write_results_queue`) and which
+    ends only when the rank exits normally: a rank killed (SIGKILL, the OOM killer) leaves it running for ever,
+    re-parented to init (found after the fault tests, one per killed run). Fix: the same Manager, its server
+    started with a parent-death signal (`die_with_parent`) when the rank's main thread starts it (the signal comes
+    when the starting thread ends; from another thread it starts as before). megatron-core 0.16.1, Python 3.11.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # at apply time
+
+    original = filesystem_async._get_write_results_queue
+
+    @functools.wraps(original)
+    def _get_write_results_queue():
+        if filesystem_async._results_queue is None and threading.current_thread() is threading.main_thread():
+            manager = multiprocessing.managers.SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
+            manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+            filesystem_async._results_queue = manager.Queue()  # the proxy holds the manager, as Megatron's does
+        return original()
+
+    filesystem_async._get_write_results_queue = _get_write_results_queue
+
+
+_ALL_DEVICES = (
+    _patch_expert_bias_padding_mask,
+    _patch_aux_loss_empty_micro_batch,
+    _patch_gloo_group_timeout,
+    _patch_write_results_queue_lifetime,
+)
 """Fixes of Megatron-Core itself, applied on every device."""
 
 _CPU_ONLY = (

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import inspect
 import logging
 import multiprocessing
@@ -23,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from megatron_rl.parallel.processes import die_with_parent
 from megatron_rl.rollout.rewards.workers import _Call, _Workers, guarded_call
 
 PROCESS_START_TIMEOUT_S = 120.0
@@ -34,7 +34,6 @@ KILL_WAIT_S = 5.0
 """How long to wait for a killed reward process to be reaped."""
 EXIT_WAIT_S = 0.5
 """How long a process whose pipe closed on its own may take to exit, for its exit code, before it is killed."""
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 UNREADABLE = "cannot be read in a reward process"
 """How a reward process answers a message it cannot unpickle."""
 
@@ -224,15 +223,6 @@ class ProcessWorkers(_Workers):
                 child.close()
 
 
-def _die_with_parent(parent: int) -> None:
-    """Have the kernel kill this process when the thread that started it ends (Linux; elsewhere an idle process
-    still ends at its pipe's end, a busy one when its call returns)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent went before the request took hold
-        os._exit(0)
-
-
 def _load(spec) -> Callable | str:
     """The function of `spec`, its `warm_up` called if it has one (math-verify's imports), or why not."""
     ok, loaded = guarded_call(spec.target, (), {})
@@ -251,7 +241,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 def serve(conn, parent: int) -> None:
     """A reward process's loop: ("load", key, spec) loads a function; ("call", key, spec or None once sent,
     args, kwargs) calls it and answers (ok, value or why); None ends it."""
-    _die_with_parent(parent)
+    die_with_parent(parent)
     os.setpgrp()  # a group of its own: a kill reaches what its reward started too
     multiprocessing.current_process().daemon = False  # a reward may start processes of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the launcher decides
