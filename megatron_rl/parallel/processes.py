@@ -70,10 +70,10 @@ def enable_stack_dumps() -> None:
 
 
 def signal_for_stacks(proc: subprocess.Popen, between_s: float = 0.3) -> list[int]:
-    """Send STACK_SIGNAL to the ranks of a running torchrun job (the agent `proc`'s child processes, which call
-    `enable_stack_dumps`), in the order of their RANK, `between_s` apart so that their dumps into the one log do
-    not interleave; the pids signalled (none once the job has ended). The agent itself is left alone: the signal's
-    default action would end it."""
+    """Send STACK_SIGNAL to the ranks of a running torchrun job (the agent `proc`'s child processes) that handle it
+    (`enable_stack_dumps`), in the order of their RANK, `between_s` apart so that their dumps into the one log do
+    not interleave; the pids signalled (none once the job has ended). The signal's default action would end a
+    process, so the agent, and a rank that has not enabled the dumps (yet), are left alone."""
     if proc.poll() is not None:
         return []
     try:
@@ -82,12 +82,25 @@ def signal_for_stacks(proc: subprocess.Popen, between_s: float = 0.3) -> list[in
         return []
     sent = []
     for child in children:
+        if not handles(child.pid, STACK_SIGNAL):
+            continue
         if sent:
             time.sleep(between_s)
         with contextlib.suppress(psutil.Error):
             child.send_signal(STACK_SIGNAL)
             sent.append(child.pid)
     return sent
+
+
+def handles(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (its SigCgt mask in /proc; False where it cannot
+    be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
 
 
 def _rank_of(process: psutil.Process) -> int:

@@ -25,6 +25,10 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Where torch's gloo groups (and Megatron's) bind; unset, gloo binds the address the host name resolves to."""
 
 
+KILLED_OUTPUT_WAIT_S = 30
+"""How long `run_torchrun` reads a killed job's remaining output."""
+
+
 class LaunchError(UserError, RuntimeError):
     """A torchrun job failed or ran past its deadline."""
 
@@ -100,10 +104,15 @@ def run_torchrun(module: str, args: list[str], nproc: int, timeout_s: float, log
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        below = descendants(proc)  # now: a rank's children leave the agent's tree if the agent ends meanwhile
         if signal_for_stacks(proc):  # where each rank hung, at the end of the output
             time.sleep(STACK_DUMP_WAIT_S)
-        kill_job(proc, descendants(proc))  # the ranks too: the output's pipe ends only when they are gone
-        output, _ = proc.communicate()
+        kill_job(proc, below + descendants(proc))  # the ranks too: the output's pipe ends only when they are gone
+        try:
+            output, _ = proc.communicate(timeout=KILLED_OUTPUT_WAIT_S)
+        except subprocess.TimeoutExpired:  # something outside the job holds the pipe: report without the output
+            proc.kill()
+            output = f"(its output: a process outside the job still held the pipe {KILLED_OUTPUT_WAIT_S} s after)"
         _save_log(log_path, output)
         raise LaunchError(
             f"{module} on {nproc} processes ran past its {timeout_s:.0f} s deadline:\n{_tail(output)}"

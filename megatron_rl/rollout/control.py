@@ -220,7 +220,10 @@ class TrainerHeartbeat:
             "rank 0 has been at %r for %.0f s, near trainer.stall_timeout_s (%g s): every thread's stack follows",
             what, phase_s, self.stall_s,
         )  # fmt: skip
-        faulthandler.dump_traceback(all_threads=True)
+        try:
+            faulthandler.dump_traceback(all_threads=True)
+        except (OSError, ValueError) as err:  # a stderr without a file descriptor: the beats matter more
+            log.warning("could not write the stacks: %s: %s", type(err).__name__, err)
 
 
 class TrainerWatch:
