@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rl.parallel.groups import init_distributed
 from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.processes import enable_stack_dumps
 
 TIMEOUT_S = 5.0  # not a whole number of minutes: Megatron takes its groups' timeout in minutes
 
@@ -26,6 +27,7 @@ def _timeout_s(group) -> float:
 def main(out: str) -> None:
     """Rank 1 records each group's timeout and how long an all-reduce on the TP group took to fail while rank 0
     sat it out; rank 1 writes the report, then both exit without a teardown (the group is broken)."""
+    enable_stack_dumps()  # a hung worker's stacks reach the log before run_torchrun kills it
     init_distributed(ParallelLayout(tp=2), timeout_s=TIMEOUT_S)
     groups = {
         "world": dist.group.WORLD,

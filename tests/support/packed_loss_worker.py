@@ -18,6 +18,7 @@ from megatron_rl.config import AlgorithmConfig
 from megatron_rl.models.routes import KEPT_PAD
 from megatron_rl.parallel.groups import destroy_distributed, init_distributed
 from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.processes import enable_stack_dumps
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.micro_batches import LossLayout
 from megatron_rl.trainer.packing import packed_plan
@@ -55,6 +56,7 @@ def make_batch(gen: torch.Generator) -> TrainBatch:
 
 def main(out: str) -> None:
     """Both layouts through `_loss_func`; rank 0 writes the report."""
+    enable_stack_dumps()  # a hung worker's stacks reach the log before run_torchrun kills it
     init_distributed(ParallelLayout(), timeout_s=120)
     gen = torch.Generator().manual_seed(3)
     batch = make_batch(gen)

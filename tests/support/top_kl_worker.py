@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron_rl.algorithms.distill import top_k_kl
 from megatron_rl.parallel.groups import destroy_distributed, init_distributed
 from megatron_rl.parallel.layout import ParallelLayout
+from megatron_rl.parallel.processes import enable_stack_dumps
 from megatron_rl.trainer.logprobs import vocab_parallel_logprobs_at
 
 VOCAB, K = 64, 5
@@ -19,6 +20,7 @@ VOCAB, K = 64, 5
 
 def main(out: str) -> None:
     """Compare the sharded and the whole computation; rank 0 writes the largest differences to `out`."""
+    enable_stack_dumps()  # a hung worker's stacks reach the log before run_torchrun kills it
     ctx = init_distributed(ParallelLayout(tp=2), timeout_s=120)
     gen = torch.Generator().manual_seed(11)
     full = torch.randn(2, 6, VOCAB, generator=gen) * 3
