@@ -352,7 +352,8 @@ def ep_kernel():
 def small_linears():
     torch.manual_seed(0)
     x, result = torch.randn(64, 512), {}
-    for name, (n, k) in {"small": (256, 128), "limit": (SMALL_LINEAR_ELEMENTS // 128, 128), "large": (512, 512)}.items():
+    sizes = {"small": (256, 128), "limit": (SMALL_LINEAR_ELEMENTS // 128, 128), "large": (512, 512)}
+    for name, (n, k) in sizes.items():
         layer = torch.nn.Module()
         layer.weight = torch.nn.Parameter(torch.randn(n, k) * 0.1, requires_grad=False)
         reference = torch.nn.functional.linear(x[:, :k], layer.weight)
