@@ -2,7 +2,7 @@
 device, and what Megatron-Core needs on CPU with gloo), `torch_distributed.py` (checkpoint loading that runs no code
 from the files, TCPStore servers bound to their host) and `vllm_engine.py` (the CPU engines). Each patch names the
 failure it fixes and the versions checked; each set is applied by one idempotent call (`apply_patches()` applies
-the torch set too), and tests/unit/test_patches.py and tests/unit/test_torch_patches.py test them.
+the torch set too), and tests/unit/test_patches.py, test_torch_patches.py and test_vllm_patches.py test them.
 
 Each patch imports what it patches when it is applied, not at the top: vLLM's processes load this package as a
 plugin without Megatron (a GPU vLLM image may not have it), and trainer processes never import vLLM.
