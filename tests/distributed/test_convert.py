@@ -54,6 +54,8 @@ def test_round_trip_other_families(family, tiny_dir, tmp_path):
     assert report["identical"], report
 
 
+@pytest.mark.slow  # the default suite has both halves: round trips gathered at another layout, bit-identical
+# (above), and trainer checkpoints resumed at another layout (test_train_step.py::test_resume_at_another_layout)
 def test_saved_at_one_layout_loads_at_another(tiny_dir, tmp_path):
     """Saved at TP2xPP2, loaded at EP2: the same logprobs as loading the HF weights directly."""
     hf = tiny_dir("qwen3_moe")
