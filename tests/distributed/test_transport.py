@@ -192,7 +192,9 @@ class _StuckWork:
         return True
 
 
-def test_an_nccl_transfer_that_never_completes_is_named_within_the_timeout():
+def test_an_nccl_work_handle_that_never_completes_is_named_within_the_timeout():
+    """The NCCL path's wait (polling `is_completed` against the group's timeout), with a stand-in Work handle: no
+    NCCL here; tests/gpu/test_gpu_sync.py runs real NCCL transfers."""
     spec = GroupSpec(sender=2, host="127.0.0.1", port=1, members=("trainer-2", "engine-0/w0"), backend="nccl")
     group = WeightGroup.__new__(WeightGroup)
     group.spec, group.timeout = spec, datetime.timedelta(seconds=0.2)
