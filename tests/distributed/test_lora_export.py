@@ -16,6 +16,8 @@ from megatron_rl.parallel.torchrun import run_torchrun
 WORKER = "tests.support.peft_worker"
 TINY = {"num_experts": 4, "mlp_only_layers": [0]}
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["linear_qkv", "linear_proj", "expert_fc1", "expert_fc2"]}
+DENSE_LORA = {"rank": 4, "alpha": 8.0, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+              "sync": "vllm"}  # fmt: skip
 
 
 def peft_logprobs(hf: str, adapter: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -28,10 +30,6 @@ def peft_logprobs(hf: str, adapter: str, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-
-
-DENSE_LORA = {"rank": 4, "alpha": 8.0, "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-              "sync": "vllm"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
