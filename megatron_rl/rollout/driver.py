@@ -103,7 +103,10 @@ class GenerationDriver:
         if task is not None:
             task.set_response_limit(cfg.rollout.max_new_tokens)  # the length penalties' default max_tokens
             self._rewards.start(task.reward_set().functions)  # reward processes, where any, start with the engines
-        self._claim_lock = asyncio.Lock()
+        self._claiming = False
+        """Whether a worker is claiming from the buffer now: one claim at a time, so each sees every earlier one."""
+        self._claim_done = asyncio.Event()
+        """Set when the claim in progress ends: the workers waiting for it look at their engine's prompts again."""
         self._claimed: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         """Engine -> prompts claimed for its workers, not taken by one yet: (index, record, burst)."""
         self._bursts = 0
@@ -163,28 +166,40 @@ class GenerationDriver:
         Claims are serialized, so each sees every earlier claim of this driver. A claim takes a prompt for every
         free worker of every engine that is up (as many as the gate lets through) and deals them out in turn,
         this worker's engine first: a step's prompts reach the engines together, and each batches its share. The
-        other workers take theirs from `_claimed` without asking the buffer."""
-        async with self._claim_lock:
-            start = time.perf_counter()
-            # An engine that goes down while its worker waits here claims nothing: its actor handle is the dead one
-            # until the restart, and the prompt would fail on it and be requeued once more by each waiting worker.
-            while not self._stop.is_set() and engine not in self.down:
-                if self._claimed[engine]:
-                    self._busy[engine] += 1
-                    return self._claimed[engine].popleft()
-                free = self._free_workers()
-                answer = await self._call_buffer(
-                    "claim_gated", sum(free.values()), self.cfg.prompts_per_step, self.lag, GATE_WAIT_S
-                )
-                claimed, self.trainer_version = answer["prompts"], answer["trainer_version"]
-                if claimed and (self._stop.is_set() or engine in self.down):  # while the buffer held the call
-                    await self._call_buffer("release", [index for index, _ in claimed])
-                    break
-                if claimed:
-                    self.stats.claimed += len(claimed)
-                    self.stats.gate_wait_s += time.perf_counter() - start
-                    self._deal(claimed, engine, free)
-            return None
+        other workers take theirs from `_claimed` without asking the buffer, also while a claim waits at the gate
+        (the step cannot fill without the prompts dealt to them)."""
+        start = time.perf_counter()
+        # An engine that goes down while its worker waits here claims nothing: its actor handle is the dead one
+        # until the restart, and the prompt would fail on it and be requeued once more by each waiting worker.
+        while not self._stop.is_set() and engine not in self.down:
+            if self._claimed[engine]:
+                self._busy[engine] += 1
+                return self._claimed[engine].popleft()
+            if self._claiming:
+                await self._claim_done.wait()
+            else:
+                await self._claim_for_every_engine(engine, start)
+        return None
+
+    async def _claim_for_every_engine(self, engine: str, start: float) -> None:
+        """One claim from the buffer for the free workers of every engine, dealt out (`_claim`)."""
+        self._claiming, done = True, asyncio.Event()
+        self._claim_done = done
+        try:
+            free = self._free_workers()
+            answer = await self._call_buffer(
+                "claim_gated", sum(free.values()), self.cfg.prompts_per_step, self.lag, GATE_WAIT_S
+            )
+            claimed, self.trainer_version = answer["prompts"], answer["trainer_version"]
+            if claimed and (self._stop.is_set() or engine in self.down):  # while the buffer held the call
+                await self._call_buffer("release", [index for index, _ in claimed])
+            elif claimed:
+                self.stats.claimed += len(claimed)
+                self.stats.gate_wait_s += time.perf_counter() - start
+                self._deal(claimed, engine, free)
+        finally:
+            self._claiming = False
+            done.set()
 
     def _free_workers(self) -> dict[str, int]:
         """Engine (up) -> its workers that hold no prompt and have none waiting for them in `_claimed`."""

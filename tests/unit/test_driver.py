@@ -469,3 +469,33 @@ def test_a_claim_deals_prompts_over_the_engines_free_workers():
     assert b_burst[1] == 3 and a_burst[1] == 1 and a_burst[0] != b_burst[0]
     driver._deal([(4, {})], "a", {"a": 1, "b": 0})
     assert driver._claimed["a"][-1][2][0] not in (a_burst[0], b_burst[0])  # a new claim, a new burst
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_prompts_dealt_to_every_engine_are_served_while_a_worker_waits_at_the_gate(lag):
+    # Two engines of two workers, two prompts a step: a claim for the four free workers gets the step's two and
+    # deals one to each engine. A worker of the first engine that then finds the gate shut must not keep the
+    # second engine's workers from the prompt dealt to them (it held the claim lock through its gate waits, and
+    # the step never filled).
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    engines = {"e0": StandInEngine(), "e1": StandInEngine()}
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        ["prompts_per_step=2", "rollout.samples_per_prompt=1", "rollout.max_concurrent_prompts=2"],
+    )
+    driver = GenerationDriver(LocalActor(buffer), engines, CountingTask(), StandInTokenizer(), cfg, lag=lag)
+
+    async def scenario():
+        run = asyncio.create_task(driver.run())
+        try:
+            for version in range(3):
+                batch = await asyncio.to_thread(buffer.get_batch, 2, version, 5.0)
+                assert len(batch) == 2, f"step {version + 1} did not fill: {buffer.check_accounting()}"
+                buffer.set_trainer_version(version + 1)
+        finally:
+            driver.stop()
+            await asyncio.wait_for(run, 10)
+
+    asyncio.run(scenario())
+    assert all(engine.burst_calls for engine in engines.values())  # both engines served prompts
+    assert buffer.check_accounting()["consumed"] == 6
