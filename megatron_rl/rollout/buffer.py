@@ -98,6 +98,8 @@ class RolloutBuffer:
         self._dropped = collections.Counter()
         self._drop_log: collections.deque[dict] = collections.deque(maxlen=DROP_LOG_SIZE)
         self.trainer_version = 0
+        self._gate_base = (0, 0)  # (trainer version, prompts consumed) the gate counts from: where a resume went on
+        self._awaiting_trainer = False  # resumed, and the engines still hold the start-up weights: the gate is shut
         self._consumed: set[int] = set()  # prompt indices handed to the trainer: none may be handed out twice
         self.drop_zero_variance, self.max_zero_variance_drops, self.max_abs_reward = False, 0, math.inf
         self._zero_variance_drops = 0  # since the last batch handed out (the bound is per batch)
@@ -197,15 +199,17 @@ class RolloutBuffer:
     def claim_gated(self, n: int, per_step: int, lag: int, timeout_s: float = 0.0) -> dict[str, Any]:
         """`claim_prompts` behind the driver's gate, in one call: up to `n` prompts, no more than the gate lets
         through, waiting up to `timeout_s` for it to open (the trainer's next version) and for a free slot;
-        `{"prompts": [(prompt index, record), ...], "trainer_version": the trainer's version now}`.
+        `{"prompts": [(prompt index, record), ...], "trainer_version": the trainer's version now,
+        "awaiting_trainer": whether a resumed run's trainer has yet to say its version}`.
 
         The gate keeps the prompts this buffer accounts for (consumed, buffered and in flight) within the steps up
         to the trainer's version + `lag` (`per_step` prompts a step), or + the lookahead where one is configured
         (`configure_lookahead`), whichever is less. Dropped prompts and requeued ones waiting to be claimed again
         do not count: each frees its place. With lag 0 a step's prompts are claimed only at the version that trains
-        on them (exactly on-policy); the counts are the buffer's own and go with its checkpoint, so a resumed run
-        opens the gate where the uninterrupted one did. No prompts when it stays shut. One call instead of a look
-        at the counts and a claim per prompt: a step's prompts reach the engines together, which batch them.
+        on them (exactly on-policy). A resumed run's gate stays shut until its trainer, which first brings the
+        engines to its weights, says its version; it then opens as the uninterrupted run's did, also for another
+        `per_step` (the counts start there). No prompts when it stays shut. One call instead of a look at the
+        counts and a claim per prompt: a step's prompts reach the engines together, which batch them.
         """
         if n < 0 or per_step < 1 or lag < 0:
             raise RolloutBufferError(f"claim_gated: n={n} >= 0, per_step={per_step} >= 1 and lag={lag} >= 0 needed")
@@ -217,7 +221,8 @@ class RolloutBuffer:
                     break
             else:
                 claimed = self._take_prompts(min(n, self._gate_room(per_step, lag)))
-            return {"prompts": claimed, "trainer_version": self.trainer_version}
+            awaiting = self._awaiting_trainer
+            return {"prompts": claimed, "trainer_version": self.trainer_version, "awaiting_trainer": awaiting}
 
     def _prompts_left(self) -> bool:
         """Whether a claim may find a prompt: one waits to be claimed again, or the stream may have more."""
@@ -225,11 +230,14 @@ class RolloutBuffer:
 
     def _gate_room(self, per_step: int, lag: int) -> int:
         """How many more prompts the gate lets through now (`claim_gated`)."""
+        if self._awaiting_trainer:
+            return 0
         ahead = lag * per_step
         if self.lookahead is not None:
             ahead = min(ahead, self.lookahead.prompts)
-        live = self._counters["consumed"] + len(self._heap) + len(self._in_flight)
-        return (self.trainer_version + 1) * per_step + ahead - live
+        version, consumed = self._gate_base
+        live = self._counters["consumed"] - consumed + len(self._heap) + len(self._in_flight)
+        return (self.trainer_version - version + 1) * per_step + ahead - live
 
     def release(self, indices: list[int]) -> None:
         """Take back in-flight prompts that were claimed but never started (their engine went down meanwhile, or
@@ -395,6 +403,9 @@ class RolloutBuffer:
 
     def _advance_version(self, version: int) -> None:
         self.trainer_version = max(self.trainer_version, version)
+        if self._awaiting_trainer:
+            self._gate_base = (self.trainer_version, self._counters["consumed"])
+            self._awaiting_trainer = False
         self._evict_stale(version)
 
     def _hand_out(self, group: Group, current_version: int) -> None:
@@ -504,13 +515,15 @@ class RolloutBuffer:
                 "dropped": dict(self._dropped),
                 "drop_log": list(self._drop_log),
                 "trainer_version": self.trainer_version,
+                "gate_base": list(self._gate_base),
                 "prompts": self.prompts.state_dict() if self.prompts is not None else None,
                 "consumed": index_ranges(self._consumed),
             }
 
     def load_state_dict(self, state: dict[str, Any], requeue_in_flight: bool = True) -> None:
         """Restore a `state_dict`. Prompts that were in flight are requeued (their engines died with the run)
-        unless `requeue_in_flight` is False (the same engines are still generating them)."""
+        unless `requeue_in_flight` is False (the same engines are still generating them); with new engines the
+        gate stays shut until the trainer says its version (`_awaiting_trainer`)."""
         if state.get("format") != STATE_FORMAT:
             raise RolloutBufferError(f"load_state_dict: format {state.get('format')!r}, this code reads {STATE_FORMAT}")
         with self._cond:
@@ -527,6 +540,8 @@ class RolloutBuffer:
             self._dropped = collections.Counter(state["dropped"])
             self._drop_log = collections.deque(state.get("drop_log", []), maxlen=DROP_LOG_SIZE)
             self.trainer_version = int(state["trainer_version"])
+            self._gate_base = tuple(int(n) for n in state.get("gate_base", (0, 0)))
+            self._awaiting_trainer = requeue_in_flight
             # Older checkpoints lack it: the handed-out-twice check then covers this process only.
             self._consumed = indices_of_ranges(state.get("consumed", []))
             if state.get("prompts") is not None:

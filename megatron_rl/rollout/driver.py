@@ -190,7 +190,9 @@ class GenerationDriver:
             answer = await self._call_buffer(
                 "claim_gated", sum(free.values()), self.cfg.prompts_per_step, self.lag, GATE_WAIT_S
             )
-            claimed, self.trainer_version = answer["prompts"], answer["trainer_version"]
+            claimed = answer["prompts"]
+            if not answer.get("awaiting_trainer"):  # a resumed run's engines hold the start-up weights until then
+                self.trainer_version = answer["trainer_version"]
             if claimed and (self._stop.is_set() or engine in self.down):  # while the buffer held the call
                 await self._call_buffer("release", [index for index, _ in claimed])
             elif claimed:

@@ -347,6 +347,39 @@ def test_state_dict_round_trip_through_json():
     restored.check_accounting()
 
 
+def _run_to_a_save(per_step: int, steps: int) -> dict:
+    """The state a run one step ahead (lag 1) saves after its trainer took step `steps`' batch: as
+    `TrainerLoop.save_checkpoint` does, before the trainer's version `steps` is out, with prompts in flight."""
+    buffer, in_flight = make_buffer(capacity=16, max_staleness=1), set()
+    for step in range(steps):
+        in_flight |= {index for index, _ in _gated(buffer, 16, per_step=per_step, lag=1)}
+        for index in sorted(i for i in in_flight if i < (step + 1) * per_step):  # this step's come back
+            buffer.put_group(make_group(index, version=step))
+            in_flight.discard(index)
+        assert len(buffer.get_batch(per_step, step)) == per_step
+        if step + 1 < steps:
+            buffer.set_trainer_version(step + 1)
+    return json.loads(json.dumps(buffer.state_dict()))
+
+
+@pytest.mark.parametrize("per_step", [2, 1, 4])
+def test_a_resumed_gate_waits_for_the_trainers_version_and_counts_from_there(per_step):
+    # Saved by a run of 2 prompts a step at step 3 (prompts 6, 7 in flight). The new engines hold the start-up
+    # weights until the trainer has loaded step 3 and pushed it: nothing may be claimed before it says so (the
+    # requeued prompts would come back at version 0, stale or off-policy). Then the gate opens as the
+    # uninterrupted run's did, also where the resumed run takes another number of prompts a step.
+    state = _run_to_a_save(per_step=2, steps=3)
+    restored = make_buffer(capacity=16, max_staleness=1)
+    restored.load_state_dict(state)
+    answer = restored.claim_gated(16, per_step, 1, timeout_s=0.05)
+    assert answer == {"prompts": [], "trainer_version": 2, "awaiting_trainer": True}
+    restored.set_trainer_version(3)
+    claimed = [i for i, _ in _gated(restored, 16, per_step=per_step, lag=1)]
+    assert claimed == [6, 7, 8, 9, 10, 11, 12, 13][: 2 * per_step]  # the requeued ones first: step 4 and one ahead
+    assert restored.claim_gated(1, per_step, 1, timeout_s=0.05)["awaiting_trainer"] is False
+    restored.check_accounting()
+
+
 def test_state_dict_can_keep_in_flight_prompts():
     buffer = make_buffer(capacity=8)
     claimed = [i for i, _ in buffer.claim_prompts(2)]

@@ -499,3 +499,35 @@ def test_prompts_dealt_to_every_engine_are_served_while_a_worker_waits_at_the_ga
     asyncio.run(scenario())
     assert all(engine.burst_calls for engine in engines.values())  # both engines served prompts
     assert buffer.check_accounting()["consumed"] == 6
+
+
+def test_a_resumed_driver_claims_nothing_and_follows_no_version_until_the_trainer_says_its_own():
+    # The state of a run one step ahead saved at step 2 (prompts 4 and 5 in flight, the trainer at version 1).
+    # The new engine holds the start-up weights until the trainer pushes step 2's: the driver claims nothing and
+    # does not take version 1 for the engines' (the launcher's evaluations follow it).
+    saved = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    for version in range(2):
+        saved.claim_gated(8, 2, 1)
+        for index in (2 * version, 2 * version + 1):
+            saved.put_group(_group(index, failed=False))
+        assert len(saved.get_batch(2, version)) == 2
+        if version == 0:
+            saved.set_trainer_version(1)
+    buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
+    buffer.load_state_dict(saved.state_dict())
+    driver = _running_driver(buffer, CountingTask(), StandInEngine(), 1)
+
+    async def scenario():
+        run = asyncio.create_task(driver.run())
+        try:
+            await asyncio.sleep(0.5)
+            before = (driver.stats.claimed, driver.trainer_version)
+            buffer.set_trainer_version(2)  # the trainer loaded step 2 and pushed it
+            await _until(lambda: buffer.stats()["buffered"] == 4)  # steps 3 and 4: the requeued 4, 5 first
+            return before
+        finally:
+            driver.stop()
+            await asyncio.wait_for(run, 10)
+
+    assert asyncio.run(scenario()) == (0, 0)
+    assert driver.trainer_version == 2 and buffer.check_accounting()["dropped"] == 0
