@@ -19,7 +19,7 @@ from pathlib import Path
 import ray
 
 from megatron_rl.config import RunConfig, dump_config
-from megatron_rl.errors import UserError
+from megatron_rl.errors import UserError, error_line
 from megatron_rl.metrics.console import LOGS_DIR, Console, MetricsFollower, ThirdPartyOutput, collect_ray_logs
 from megatron_rl.metrics.evals import EVAL_FILE
 from megatron_rl.metrics.logger import is_step_record, read_metrics
@@ -44,6 +44,7 @@ from megatron_rl.rollout.tasks import BUILTIN_TASKS, PromptStream, load_tokenize
 from megatron_rl.rollout.teacher import TeacherScorer, check_teacher, teacher_specs
 from megatron_rl.run_state import (
     ABANDONED,
+    RUN_STATE,
     ResumeError,
     check_save_dir,
     checkpoint_steps,
@@ -242,6 +243,11 @@ def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     if folder is None:
         return None, None
     state = read_run_state(folder)
+    if cfg.algorithm.forced_lag:  # trainer/loop.py LaggedWeights: copies of the last versions, in no checkpoint
+        raise ResumeError(
+            f"{folder}: algorithm.forced_lag={cfg.algorithm.forced_lag} cannot resume (the weights of the versions"
+            " it lags behind are not in the checkpoint); start the run afresh in another checkpoint.save_dir"
+        )
     later = [number for number in checkpoint_steps(save_dir) if number > state["step"]]
     if later:
         log.warning(
@@ -292,7 +298,7 @@ def run_training(
     )
     if (notice := skipped_rows_notice(task)) is not None:
         console.say(notice)
-    buffer = start_buffer(cfg, task, run_state)
+    buffer = start_buffer(cfg, task, run_state, resume_from)
     pool = EnginePool(engine_specs(cfg, hf_path), cpus_per_engine=0.5)
     teachers = EnginePool(teacher_specs(cfg), cpus_per_engine=0.5) if cfg.distill.enabled else None
     pools = [p for p in (pool, teachers) if p is not None]  # teachers: not in the roster (a snapshot's own sync)
@@ -405,14 +411,21 @@ def eval_runner(cfg: RunConfig, prompts, tokenizer, driver, run_dir: Path, conso
     return EvalRunner(evaluator, run_dir / EVAL_FILE, cfg.steps, cfg.eval.timeout_s, say=console.say)
 
 
-def start_buffer(cfg: RunConfig, task, run_state: dict | None):
-    """The rollout buffer actor over the task's prompts, with a resumed run's contents and data position."""
+def start_buffer(cfg: RunConfig, task, run_state: dict | None, resume_from: Path | None = None):
+    """The rollout buffer actor over the task's prompts, with a resumed run's contents and data position (from
+    the checkpoint folder `resume_from`)."""
     buffer = make_buffer_actor(
         capacity=cfg.buffer.capacity, max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy,
         prompts=PromptStream(task, cfg.task.epochs), max_requeues=cfg.buffer.max_requeues, name=BUFFER_NAME,
     )  # fmt: skip
     if run_state is not None:
-        ray.get(buffer.load_state_dict.remote(run_state["buffer"]), timeout=120)
+        try:
+            ray.get(buffer.load_state_dict.remote(run_state["buffer"]), timeout=120)
+        except ray.exceptions.RayTaskError as err:  # the state itself (counts, prompts) is wrong, not Ray
+            raise ResumeError(
+                f"{Path(resume_from or '.') / RUN_STATE}: the rollout buffer's state cannot be restored"
+                f" ({error_line(err)})"
+            ) from None
     if cfg.mode == "async" and cfg.buffer.lookahead == "adaptive":
         lag, target = mode_lag(cfg.mode, cfg.buffer.max_staleness), cfg.buffer.target_trainer_idle
         ray.get(buffer.configure_lookahead.remote(cfg.prompts_per_step, lag, target), timeout=60)

@@ -86,6 +86,12 @@ class RunConfig(Section):
             raise ValueError(
                 f"buffer.capacity={self.buffer.capacity} must be at least prompts_per_step={self.prompts_per_step}"
             )
+        if self.mode != "sync" and self.buffer.max_staleness < 1:
+            raise ValueError(
+                f"mode={self.mode} generates at least one step ahead of the trainer, which buffer.max_staleness=0"
+                " forbids (every group generated ahead would be dropped as stale): set mode=sync, or"
+                " buffer.max_staleness >= 1"
+            )
         a = self.algorithm
         if self.buffer.stale_policy == "correct" and (a.loss == "ppo" or a.correction == "none"):
             raise ValueError(

@@ -305,10 +305,11 @@ class Learner:
         stats["time/train_s"] = time.perf_counter() - t0
         return stats
 
-    def check_weights(self, step: int) -> None:
-        """(Every rank) NonFiniteError instead of letting weights that are not finite reach the engines."""
+    def check_weights(self, step: int, doing: str = "pushing them to the engines") -> None:
+        """(Every rank) NonFiniteError instead of letting weights that are not finite reach the engines (or what
+        `doing` names)."""
         if not weights_finite(self.state.model):
-            raise NonFiniteError(f"the weights after step {step} are not finite: not pushing them to the engines")
+            raise NonFiniteError(f"the weights after step {step} are not finite: not {doing}")
 
     def save(self, folder: Path, step: int) -> None:
         """(Every rank) model, optimizer (layout-independent), LR scheduler and this rank's RNG into `folder`."""

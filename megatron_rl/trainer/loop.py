@@ -208,6 +208,8 @@ class TrainerLoop:
         buffer_state = (lambda: ray.get(self.buffer.state_dict.remote(), timeout=120)) if self.is_rank0 else None
         export = (lambda folder: self._export(folder / CHECKPOINT_EXPORT_DIR, step)) if ckpt.export_hf else None
         self.heartbeat.phase(self.step, f"saving the checkpoint of step {step}")
+        # It would become `latest`, and older ones are pruned: a resume (or a Slurm requeue) would load it.
+        self.learner.check_weights(step, doing="saving them as a checkpoint")
         try:
             save_run_checkpoint(
                 ckpt.save_dir, step, ckpt.keep_last, lambda folder: self.learner.save(folder, step), buffer_state,

@@ -10,9 +10,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from megatron_rl.config import load_config  # noqa: E402
+from megatron_rl.launcher import start_buffer  # noqa: E402
 from megatron_rl.rollout.buffer import make_buffer_actor  # noqa: E402
 from megatron_rl.rollout.tasks import PromptStream, Task  # noqa: E402
 from megatron_rl.rollout.types import Group, Sample  # noqa: E402
+from megatron_rl.run_state import ResumeError  # noqa: E402
 
 PROMPTS = 120
 
@@ -102,3 +105,10 @@ def test_dynamic_sampling_on_the_actor_hands_out_only_informative_groups(local_r
     flat = stats["dropped_by_reason"]["zero_variance"]
     assert flat == stats["zero_variance_groups"] > 0
     assert counts["produced"] == counts["consumed"] + counts["dropped"] == PROMPTS
+
+
+def test_a_resumed_buffer_whose_state_cannot_be_restored_is_refused_naming_the_file(local_ray, tmp_path):
+    folder = tmp_path / "step_00000004"
+    with pytest.raises(ResumeError, match=rf"{folder}/run_state.json: the rollout buffer's state cannot be "
+                       r"restored \(KeyError: 'groups'\)"):  # fmt: skip
+        start_buffer(load_config("configs/quickstart.yaml"), NumberTask(), {"buffer": {"format": 1}}, folder)

@@ -62,6 +62,7 @@ def test_dotted_overrides_apply_with_yaml_types():
         ("algorithm.correction=seq_mis", None),
         ("trainer.cpu_affinity=[0,-1]", "trainer.cpu_affinity.1: Input should be greater than or equal to 0"),
         ("rollout.cpu_affinity=[-2]", "rollout.cpu_affinity.0: Input should be greater than or equal to 0"),
+        ("buffer.max_staleness=0", "mode=async generates at least one step ahead .* buffer.max_staleness=0 forbids"),
     ],
 )
 def test_errors_name_field_value_and_allowed(override, message):
@@ -70,6 +71,12 @@ def test_errors_name_field_value_and_allowed(override, message):
         return
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_only_sync_mode_runs_with_no_staleness_at_all():
+    assert load_config(None, ["mode=sync", "buffer.max_staleness=0"]).buffer.max_staleness == 0
+    with pytest.raises(ConfigError, match="mode=one_step_off generates at least one step ahead"):
+        load_config(None, ["mode=one_step_off", "buffer.max_staleness=0"])
 
 
 @pytest.mark.parametrize("correction", ["mis", "seq_mis", "geo_mis"])

@@ -300,6 +300,9 @@ def test_a_fresh_run_refuses_a_save_dir_with_another_runs_latest(tmp_path):
     folder, state = launcher.resume_point(_cfg(f"checkpoint.save_dir={save_dir}", "checkpoint.resume=true"))
     assert folder == step_dir(save_dir, 4) and state["step"] == 4
     assert launcher.resume_point(_cfg()) == (None, None)  # no saving: nothing to refuse
+    lagged = ("mode=sync", "algorithm.forced_lag=2", "checkpoint.resume=true")
+    with pytest.raises(ResumeError, match=r"step_00000004: algorithm.forced_lag=2 cannot resume"):
+        launcher.resume_point(_cfg(f"checkpoint.save_dir={save_dir}", *lagged))
 
 
 def test_resume_from_an_earlier_checkpoint_when_the_latest_fails_its_checks(tmp_path, caplog, monkeypatch):
@@ -515,8 +518,27 @@ def test_a_failed_last_save_still_writes_the_final_export_and_raises_the_saves_e
     monkeypatch.setattr(TrainerLoop, "export_hf", lambda self, folder, step: exported.append((folder, step)))
     run = _run(_cfg("checkpoint.save_dir=/ckpt", "steps=5"), step=4)
     run.spec = {"run_dir": "/runs/r"}
+    run.learner = types.SimpleNamespace(check_weights=lambda step, doing: None)
     with caplog.at_level(logging.WARNING, logger="megatron_rl.trainer.loop"), pytest.raises(CheckpointError):
         run.save_checkpoint(5, last=last)
     assert exported == ([(Path("/runs/r") / loop.FINAL_EXPORT_DIR, 5)] if last else [])
     assert ("the final policy is exported to /runs/r/hf" in caplog.text) == last
     assert run.saved_step == 4
+
+
+def test_weights_that_are_not_finite_are_not_saved_as_a_checkpoint(monkeypatch, local_all_reduce):
+    # A checkpoint becomes `latest` and older ones are pruned: a resume or a requeued job would load it.
+    saved = []
+    monkeypatch.setattr(loop, "save_run_checkpoint", lambda *args, **kwargs: saved.append(args[1]))
+    model = torch.nn.Linear(2, 2, bias=False)
+    run = _run(_cfg("checkpoint.save_dir=/ckpt", "steps=5"), step=3, rank0=False)
+    fake = types.SimpleNamespace(state=types.SimpleNamespace(model=model))
+    run.learner = types.SimpleNamespace(
+        check_weights=lambda step, doing: learner.Learner.check_weights(fake, step, doing)
+    )
+    run.save_checkpoint(4)
+    with torch.no_grad():
+        model.weight[1, 1] = float("inf")
+    with pytest.raises(learner.NonFiniteError, match="weights after step 5 are not finite: not saving them"):
+        run.save_checkpoint(5, last=True)
+    assert saved == [4] and run.saved_step == 4
