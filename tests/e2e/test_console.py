@@ -24,14 +24,14 @@ def test_train_console_shows_our_lines_and_logs_hold_the_rest(tmp_path):
     """One short run checks the console and the run folder, and (a launch costs a minute, so it is shared) the
     newer paths end to end: the reference model's KL subtracted from the rewards, GSPO with two mini-batches,
     an entropy bonus, dynamic sampling at the buffer (the trainer configures it), routing replay (the engine's
-    routes in every policy forward)."""
+    routes in every policy forward), and two engines (a claim deals a step's prompts over both)."""
     steps = 4
     cmd = [
         sys.executable, "-m", "megatron_rl.cli", "train", "configs/quickstart.yaml", f"steps={steps}",
         f"output_dir={tmp_path}", f"model.hf_path={tmp_path}/tiny", "eval.interval=2", "eval.n=4",
         "eval.max_prompts=6", "eval.pass_threshold=0.5", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward",
         "algorithm.loss=gspo", "algorithm.ppo_minibatches=2", "algorithm.entropy_coef=0.01",
-        "algorithm.dynamic_sampling=true", "algorithm.routing=replay",
+        "algorithm.dynamic_sampling=true", "algorithm.routing=replay", "rollout.num_engines=2",
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -68,6 +68,9 @@ def _check_new_paths(run_dir, records: list[dict], steps: int) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     prompts_per_step = load_config("configs/quickstart.yaml").prompts_per_step
     assert len(records) == steps and summary["accounting"]["consumed"] == steps * prompts_per_step, summary
+    # Both engines generated, and both hold the last version (each worker took what a claim dealt its engine).
+    assert [(e["engine"], e["version"]) for e in summary["engines"]] == [("engine-0", steps), ("engine-1", steps)]
+    assert all(e["requests"] > 0 for e in summary["engines"]), summary["engines"]
     for r in records:
         assert r["ppo/updates"] == 2 and r["guard/skipped_updates"] == 0
         assert r["kl/reward_penalty_mean"] != 0 and "kl/penalty" not in r
