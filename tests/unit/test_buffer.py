@@ -347,7 +347,7 @@ def test_state_dict_round_trip_through_json():
     restored.check_accounting()
 
 
-def _run_to_a_save(per_step: int, steps: int) -> dict:
+def run_to_a_save(per_step: int, steps: int) -> dict:
     """The state a run one step ahead (lag 1) saves after its trainer took step `steps`' batch: as
     `TrainerLoop.save_checkpoint` does, before the trainer's version `steps` is out, with prompts in flight."""
     buffer, in_flight = make_buffer(capacity=16, max_staleness=1), set()
@@ -368,7 +368,7 @@ def test_a_resumed_gate_waits_for_the_trainers_version_and_counts_from_there(per
     # weights until the trainer has loaded step 3 and pushed it: nothing may be claimed before it says so (the
     # requeued prompts would come back at version 0, stale or off-policy). Then the gate opens as the
     # uninterrupted run's did, also where the resumed run takes another number of prompts a step.
-    state = _run_to_a_save(per_step=2, steps=3)
+    state = run_to_a_save(per_step=2, steps=3)
     restored = make_buffer(capacity=16, max_staleness=1)
     restored.load_state_dict(state)
     answer = restored.claim_gated(16, per_step, 1, timeout_s=0.05)

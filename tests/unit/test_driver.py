@@ -25,6 +25,7 @@ from megatron_rl.rollout.driver import GenerationDriver, GenerationError, Reward
 from megatron_rl.rollout.engine import EngineError, GenerationRequest, GenerationResult
 from megatron_rl.rollout.tasks import PromptStream, Task, make_task
 from megatron_rl.rollout.types import Group, Sample
+from tests.unit.test_buffer import run_to_a_save
 
 TRL = str(Path(__file__).resolve().parents[1] / "fixtures" / "trl_math.jsonl")
 
@@ -505,16 +506,8 @@ def test_a_resumed_driver_claims_nothing_and_follows_no_version_until_the_traine
     # The state of a run one step ahead saved at step 2 (prompts 4 and 5 in flight, the trainer at version 1).
     # The new engine holds the start-up weights until the trainer pushes step 2's: the driver claims nothing and
     # does not take version 1 for the engines' (the launcher's evaluations follow it).
-    saved = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
-    for version in range(2):
-        saved.claim_gated(8, 2, 1)
-        for index in (2 * version, 2 * version + 1):
-            saved.put_group(_group(index, failed=False))
-        assert len(saved.get_batch(2, version)) == 2
-        if version == 0:
-            saved.set_trainer_version(1)
     buffer = RolloutBuffer(capacity=8, prompts=PromptStream(CountingTask()))
-    buffer.load_state_dict(saved.state_dict())
+    buffer.load_state_dict(run_to_a_save(per_step=2, steps=2))
     driver = _running_driver(buffer, CountingTask(), StandInEngine(), 1)
 
     async def scenario():
